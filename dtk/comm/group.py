@@ -1,0 +1,392 @@
+"""The seam: dtk's process-group backend. It wraps the real backend (gloo on CPU, NCCL on CUDA), counts bytes
+and seconds per collective, can rebuild its inner group in place, and never lets a failed collective raise
+into a strategy (the step is marked failed instead, and the trainer does not commit it).
+
+Every strategy (DDP, FSDP2, DeepSpeed ZeRO) talks to the other ranks only through a `DtkGroup`.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
+
+BACKEND_NAME = "dtk"
+log = logging.getLogger(__name__)
+
+# Bytes a rank moves on the wire per byte of the collective's buffer (ring algorithms, as nccl-tests' busbw).
+def bus_factor(kind: str, n: int) -> float:
+    if n <= 1:
+        return 0.0
+    return {
+        "all_reduce": 2 * (n - 1) / n,
+        "all_gather": (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,
+        "all_to_all": (n - 1) / n,
+        "gather": (n - 1) / n,
+        "scatter": (n - 1) / n,
+        "barrier": 0.0,
+    }.get(kind, 1.0)
+
+
+@dataclass
+class KindStats:
+    calls: int = 0
+    size_bytes: int = 0
+    """The collective's buffer, as nccl-tests' "size" (all-gather: output; reduce-scatter: input)."""
+    bytes: float = 0.0
+    """What this rank moves on the wire: size x bus factor."""
+    seconds: float = 0.0
+
+
+@dataclass
+class CommStats:
+    """Counters of one process, over all its groups; the trainer takes them at every step boundary."""
+
+    kinds: dict[str, KindStats] = field(default_factory=dict)
+    peer_bytes: dict[int, int] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def issued(self, kind: str, size_bytes: int, n: int, peer: int | None = None) -> None:
+        with self.lock:
+            k = self.kinds.setdefault(kind, KindStats())
+            k.calls += 1
+            k.size_bytes += size_bytes
+            k.bytes += size_bytes * bus_factor(kind, n)
+            if peer is not None:
+                self.peer_bytes[peer] = self.peer_bytes.get(peer, 0) + size_bytes
+
+    def finished(self, kind: str, seconds: float) -> None:
+        with self.lock:
+            self.kinds.setdefault(kind, KindStats()).seconds += seconds
+
+    def take(self) -> dict:
+        """The counters since the last take, as plain numbers; resets them."""
+        with self.lock:
+            out = {
+                "by_kind": {k: {"calls": s.calls, "bytes": s.bytes, "size_bytes": s.size_bytes, "seconds": s.seconds}
+                            for k, s in sorted(self.kinds.items())},
+                "peer_bytes": {str(p): b for p, b in sorted(self.peer_bytes.items())},
+            }
+            self.kinds, self.peer_bytes = {}, {}
+        out["bytes"] = sum(k["bytes"] for k in out["by_kind"].values())
+        out["seconds"] = sum(k["seconds"] for k in out["by_kind"].values())
+        return out
+
+
+class Seam:
+    """Per-process state shared by every DtkGroup: counters, the failure flag, the generation."""
+
+    stats = CommStats()
+    groups: list["DtkGroup"] = []
+    failure: str | None = None
+    generation = 0
+    joining = False
+    """True in a process that is built before it joins a running job: its groups stay local until reconfigured."""
+    _counting = threading.local()
+
+    @classmethod
+    def counting(cls) -> bool:
+        return getattr(cls._counting, "on", True)
+
+    @classmethod
+    @contextlib.contextmanager
+    def uncounted(cls):
+        """dtk's own bookkeeping (loss gather, state repair) is not strategy traffic."""
+        cls._counting.on = False
+        try:
+            yield
+        finally:
+            cls._counting.on = True
+
+    @classmethod
+    def release(cls, reason: str) -> None:
+        """A peer failed: complete every outstanding collective now (its result is meaningless) and flag the step."""
+        if cls.failure is None:
+            cls.failure = reason
+            log.warning("collectives released: %s", reason)
+        for g in list(cls.groups):
+            g.release_outstanding()
+
+    @classmethod
+    def take_failure(cls) -> str | None:
+        reason, cls.failure = cls.failure, None
+        return reason
+
+    @classmethod
+    def reconfigure(cls, generation: int) -> float:
+        """Rebuild the inner group of every DtkGroup, in creation order, for `generation`; returns seconds."""
+        t0 = time.perf_counter()
+        cls.generation = generation
+        cls.joining = False
+        for g in cls.groups:
+            g.rebuild(generation)
+        return time.perf_counter() - t0
+
+
+class SeamWork(dist._Work):
+    """A work that completes when the inner work does, or when the seam releases it; it never raises."""
+
+    def __init__(self, group: "DtkGroup", kind: str, result, inner: dist._Work | None):
+        super().__init__()
+        self._group, self._kind, self._result = group, kind, result
+        self._t0 = time.perf_counter()
+        self._generation = Seam.generation
+        self._future: torch.futures.Future = torch.futures.Future()
+        self._lock = threading.Lock()
+        if inner is None:
+            self._finish(None)
+            return
+        group.outstanding.add(self)
+        try:
+            future = inner.get_future()
+        except RuntimeError:  # some gloo works (e.g. _reduce_scatter_base) have no future: wait in a thread
+            group.waiter.watch(inner, self)
+        else:
+            future.add_done_callback(self._on_inner_done)
+
+    def _on_inner_done(self, fut) -> None:
+        try:
+            fut.wait()
+        except Exception as e:  # a peer died or the group was aborted: flag it, never raise into the strategy
+            if self._generation == Seam.generation:  # a late error of a retired group is not news
+                Seam.release(f"{self._kind} failed on rank {self._group.rank()}: {str(e).splitlines()[0][:200]}")
+        self._finish(None)
+
+    def _finish(self, _) -> None:
+        with self._lock:
+            if self._future.done():
+                return
+            self._group.outstanding.discard(self)
+            if self._kind:
+                Seam.stats.finished(self._kind, time.perf_counter() - self._t0)
+            self._future.set_result(self._result)
+
+    def wait(self, timeout=None) -> bool:
+        self._future.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        return self._future.done()
+
+    def exception(self):
+        return None
+
+    def result(self):
+        return self._result
+
+
+class Waiter:
+    """Completes works that have no future by waiting on them in order, in one thread per inner group."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def watch(self, inner: dist._Work, work: SeamWork) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="dtk-waiter", daemon=True)
+            self._thread.start()
+        self._queue.put((inner, work))
+
+    def _loop(self) -> None:
+        while True:
+            inner, work = self._queue.get()
+            work._on_inner_done(inner)  # Work.wait() raises like Future.wait() on failure
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class DtkGroup(dist.ProcessGroup):
+    """A process group that forwards to an inner gloo (CPU) or NCCL (CUDA) group of the same ranks."""
+
+    def __init__(self, *, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, use_nccl: bool):
+        super().__init__(rank, size)
+        self._store, self._timeout, self._use_nccl = store, timeout, use_nccl
+        self._inner_cpu: dist.ProcessGroup | None = None
+        self._inner_cuda: dist.ProcessGroup | None = None
+        self._retired: list = []
+        self._name = self._desc = ""
+        self.outstanding: set[SeamWork] = set()
+        if not Seam.joining:
+            self.rebuild(Seam.generation)
+        Seam.groups.append(self)
+
+    # -- identity (DeviceMesh and the functional collectives ask for these) --
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def setGroupName(self, name: str) -> None:
+        self._name = name
+
+    def getGroupName(self) -> str:
+        return self._name
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._desc = desc
+
+    def getGroupDesc(self) -> str:
+        return self._desc
+
+    # -- reconfiguration --
+    def rebuild(self, generation: int) -> None:
+        """Replace the inner group(s) with new ones on a fresh store prefix. The old ones are kept alive, not
+        destroyed: a gloo op blocked on a dead peer may still sit in their threads, and destroying them under
+        it can hang."""
+        if self._inner_cpu is not None:
+            self._retired.append((self._inner_cpu, self._inner_cuda))
+            if self._inner_cuda is not None:
+                self._inner_cuda.abort()  # NCCL: ncclCommAbort releases kernels blocked on a dead peer
+        store = dist.PrefixStore(f"gen{generation}", self._store)
+        self._inner_cpu = dist.ProcessGroupGloo(dist.PrefixStore("cpu", store), self.rank(), self.size(), self._timeout)
+        self._inner_cuda = None
+        self.waiter = Waiter()  # a fresh one: the old one may sit on an op blocked on a dead peer
+        if self._use_nccl:
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = self._timeout
+            self._inner_cuda = dist.ProcessGroupNCCL(dist.PrefixStore("cuda", store), self.rank(), self.size(), opts)
+
+    def release_outstanding(self) -> None:
+        for w in list(self.outstanding):
+            w._finish(None)
+        if self._inner_cuda is not None:
+            self._inner_cuda.abort()
+
+    @property
+    def is_local(self) -> bool:
+        return self._inner_cpu is None
+
+    def _inner(self, tensors):
+        if self._inner_cuda is not None and tensors and tensors[0].is_cuda:
+            return self._inner_cuda
+        return self._inner_cpu
+
+    def _run(self, kind: str, tensors, result, call, *, size_bytes: int | None = None, peer: int | None = None):
+        if Seam.counting():
+            Seam.stats.issued(kind, _nbytes(tensors) if size_bytes is None else size_bytes, self.size(), peer)
+        inner = self._inner(tensors)
+        if inner is None:  # joining: local until reconfigured; the data is replaced by the state repair after
+            return SeamWork(self, kind, result, None)
+        return SeamWork(self, kind if Seam.counting() else "", result, call(inner))
+
+    # -- collectives the C++ side routes to Python --
+    def allreduce(self, tensors, opts):
+        return self._run("all_reduce", tensors, tensors, lambda g: g.allreduce(tensors, opts))
+
+    def allreduce_coalesced(self, tensors, opts):
+        return self._run("all_reduce", tensors, tensors, lambda g: g.allreduce_coalesced(tensors, opts))
+
+    def broadcast(self, tensors, opts):
+        return self._run("broadcast", tensors, tensors, lambda g: g.broadcast(tensors, opts))
+
+    def reduce(self, tensors, opts):
+        return self._run("reduce", tensors, tensors, lambda g: g.reduce(tensors, opts))
+
+    def allgather(self, output_lists, inputs, opts):
+        size = sum(_nbytes(o) for o in output_lists)
+        return self._run("all_gather", inputs, output_lists, lambda g: g.allgather(output_lists, inputs, opts), size_bytes=size)
+
+    def allgather_coalesced(self, output_lists, inputs, opts):
+        size = sum(_nbytes(o) for o in output_lists)
+        return self._run("all_gather", inputs, output_lists, lambda g: g.allgather_coalesced(output_lists, inputs, opts), size_bytes=size)
+
+    def reduce_scatter(self, outputs, input_lists, opts):
+        size = sum(_nbytes(i) for i in input_lists)
+        return self._run("reduce_scatter", outputs, outputs, lambda g: g.reduce_scatter(outputs, input_lists, opts), size_bytes=size)
+
+    def all_gather_single(self, output, input, opts=None):
+        opts = opts or dist.AllgatherOptions()
+        return self._run("all_gather", [input], [output], lambda g: g._allgather_base(output, input, opts), size_bytes=_nbytes([output]))
+
+    _allgather_base = all_gather_single
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        opts = opts or dist.ReduceScatterOptions()
+        return self._run("reduce_scatter", [output], [output], lambda g: g._reduce_scatter_base(output, input, opts), size_bytes=_nbytes([input]))
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts):
+        return self._run("all_gather", inputs, outputs, lambda g: self._serial(g._allgather_base, outputs, inputs, opts),
+                         size_bytes=_nbytes(outputs))
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
+        return self._run("reduce_scatter", outputs, outputs, lambda g: self._serial(g._reduce_scatter_base, outputs, inputs, opts),
+                         size_bytes=_nbytes(inputs))
+
+    @staticmethod
+    def _serial(op, outputs, inputs, opts):
+        # gloo has no coalesced single-tensor variants: issue them one after another, complete when the last does
+        futures = [op(o, i, opts).get_future() for o, i in zip(outputs, inputs)]
+        return _create_work_from_future(torch.futures.collect_all(futures) if futures else _done_future(outputs))
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
+        return self._run("all_to_all", [input], [output],
+                         lambda g: g.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts))
+
+    all_to_all_single = alltoall_base
+
+    def alltoall(self, outputs, inputs, opts):
+        return self._run("all_to_all", inputs, outputs, lambda g: g.alltoall(outputs, inputs, opts))
+
+    def gather(self, output_lists, inputs, opts):
+        return self._run("gather", inputs, output_lists, lambda g: g.gather(output_lists, inputs, opts))
+
+    def scatter(self, outputs, input_lists, opts):
+        return self._run("scatter", outputs, outputs, lambda g: g.scatter(outputs, input_lists, opts))
+
+    def barrier(self, opts=None):
+        opts = opts or dist.BarrierOptions()
+        return self._run("barrier", [], None, lambda g: g.barrier(opts), size_bytes=0)
+
+    def send(self, tensors, dst, tag):
+        return self._run("send", tensors, tensors, lambda g: g.send(tensors, dst, tag), peer=dst)
+
+    def recv(self, tensors, src, tag):
+        return self._run("recv", tensors, tensors, lambda g: g.recv(tensors, src, tag), peer=src)
+
+
+def _done_future(value) -> torch.futures.Future:
+    f = torch.futures.Future()
+    f.set_result(value)
+    return f
+
+
+def _create(dist_opts, backend_opts) -> DtkGroup:
+    return DtkGroup(store=dist_opts.store, rank=dist_opts.group_rank, size=dist_opts.group_size,
+                    timeout=dist_opts.timeout, use_nccl=_Registered.use_nccl)
+
+
+class _Registered:
+    done = False
+    use_nccl = False
+
+
+def register(*, use_nccl: bool = False) -> None:
+    """Make `dist.init_process_group("dtk")` and `new_group(backend="dtk")` create DtkGroups."""
+    _Registered.use_nccl = use_nccl
+    if not _Registered.done:
+        devices = ["cpu", "cuda"] if use_nccl else ["cpu"]
+        dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=devices)
+        _Registered.done = True
+
+
+def world_group() -> DtkGroup:
+    g = dist.group.WORLD
+    assert isinstance(g, DtkGroup), f"the default group is {type(g).__name__}, not dtk's seam"
+    return g

@@ -1,0 +1,50 @@
+"""Per-step records (metrics.jsonl, written by rank 0) and run events (events.jsonl, appended by anyone)."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+
+class MetricsWriter:
+    def __init__(self, run_dir: str | Path):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.events = Path(run_dir) / "events.jsonl"
+
+    def truncate_from(self, step: int) -> None:
+        """A resumed run redoes steps >= step: drop their old records."""
+        if self.path.exists():
+            keep = [line for line in read_jsonl(self.path) if line.get("step", -1) < step]
+            self.path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+
+    def write(self, record: dict) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def event(self, record: dict) -> None:
+        append_event(self.events.parent, record)
+
+
+def append_event(run_dir: str | Path, record: dict) -> None:
+    line = json.dumps({"time": time.time(), **record}) + "\n"
+    fd = os.open(Path(run_dir) / "events.jsonl", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())  # one write with O_APPEND: lines from several processes do not interleave
+    finally:
+        os.close(fd)
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    p = Path(path)
+    if not p.exists():
+        return []
+    out = []
+    for line in p.read_text().splitlines():
+        line = line.strip()
+        if line:
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line cut by a crash
+    return out

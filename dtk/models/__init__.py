@@ -1,0 +1,46 @@
+"""Model registry: built-in models by name, or a user's `package.module:function`."""
+from __future__ import annotations
+
+import importlib
+from typing import Callable
+
+import torch
+from torch import nn
+
+from dtk.data import DataSpec
+from dtk.errors import DtkError
+from dtk.models.cnn import build_cnn
+from dtk.models.gpt import build_gpt
+from dtk.models.mlp import build_mlp
+
+MODELS: dict[str, tuple[Callable, str]] = {
+    "gpt": (build_gpt, "tiny GPT (causal self-attention); layers, width, heads; reads tokens"),
+    "mlp": (build_mlp, "multilayer perceptron with residual blocks; reads images as flat vectors"),
+    "cnn": (build_cnn, "small convolutional network; reads images"),
+}
+
+
+def _import_target(target: str) -> Callable:
+    module_name, _, fn_name = target.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise DtkError(f"model.target: got {target!r}; cannot import {module_name!r} ({e})") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        raise DtkError(f"model.target: got {target!r}; {module_name!r} has no function {fn_name!r}")
+    return fn
+
+
+def build_model(cfg, spec: DataSpec, *, seed: int) -> nn.Module:
+    """The same seed gives the same weights on every rank and under every strategy."""
+    torch.manual_seed(seed)
+    if cfg.target:
+        return _import_target(cfg.target)(spec, **cfg.kwargs)
+    build, _ = MODELS[cfg.name]
+    return build(cfg, spec)
+
+
+def shard_units(model: nn.Module) -> list[nn.Module]:
+    """The submodules FSDP wraps one by one (each built-in model lists its blocks); the root is wrapped last."""
+    return list(getattr(model, "blocks", []))

@@ -1,0 +1,244 @@
+"""The typed recipe: YAML file + `a.b=c` overrides -> a validated `Recipe`, every mistake reported at once.
+
+Precedence is command line > file > defaults. Unknown keys are rejected; choices are `Literal`s, so the
+error names what would be accepted.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from dtk.errors import DtkError
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    name: Literal["gpt", "mlp", "cnn"] = "gpt"
+    """Built-in model; ignored when `target` is set."""
+    target: str | None = None
+    """A user model as `package.module:function`; the function takes the data spec and returns an nn.Module."""
+    layers: int = Field(2, ge=1)
+    width: int = Field(64, ge=1)
+    heads: int = Field(4, ge=1)
+    """Attention heads (gpt); must divide `width`."""
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    kwargs: dict[str, Any] = {}
+    """Extra keyword arguments for a `target` model."""
+
+
+class DataConfig(Section):
+    name: Literal["synthetic", "digits", "text"] = "synthetic"
+    path: str | None = None
+    """Text file for `text` (char-level)."""
+    vocab_size: int = Field(64, ge=2)
+    """Vocabulary of `synthetic` tokens."""
+    seq_len: int = Field(64, ge=2)
+    """Tokens per sample (`synthetic`, `text`); also the gpt context."""
+
+
+class StrategyConfig(Section):
+    name: Literal["ddp", "fsdp", "zero1", "zero2", "zero3"] = "ddp"
+    reshard_after_forward: bool = True
+    """fsdp: True = full shard (ZeRO-3 like); False = shard gradients and optimizer only (ZeRO-2 like)."""
+    offload_optimizer: bool = False
+    """zero1/2/3: keep optimizer states in host memory and step them with DeepSpeedCPUAdam."""
+    bucket_mb: float = Field(25.0, gt=0)
+    """Gradient bucket size for ddp."""
+
+
+class OptimizerConfig(Section):
+    name: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(1e-3, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    momentum: float = Field(0.0, ge=0)
+    grad_clip: float = Field(0.0, ge=0)
+    """Clip the global gradient norm to this value; 0 = no clipping."""
+
+
+class TrainingConfig(Section):
+    steps: int = Field(100, ge=1)
+    micro_batch: int = Field(16, ge=1)
+    """Samples per rank per micro-step."""
+    grad_accum: int = Field(1, ge=1)
+    seed: int = Field(0, ge=0)
+    precision: Literal["fp32", "bf16"] = "fp32"
+    warmup_steps: int = Field(2, ge=0)
+    """Steps left out of throughput and step-time statistics."""
+
+
+class WorldConfig(Section):
+    nproc: int = Field(2, ge=1, le=256)
+    """Ranks per node."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """auto: nccl on CUDA, gloo on CPU."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    threads_per_rank: int = Field(1, ge=1)
+    timeout_s: float = Field(300.0, gt=0)
+    """Collective timeout of the inner backend."""
+
+
+class CheckpointConfig(Section):
+    every: int = Field(0, ge=0)
+    """Save a distributed checkpoint every N steps; 0 = never."""
+    resume: Literal["auto", "never"] = "auto"
+    """auto: resume from the latest checkpoint in the run folder if there is one."""
+    keep: int = Field(2, ge=1)
+
+
+class OutputConfig(Section):
+    dir: str | None = None
+    """The run folder; default runs/<recipe name>-<time>."""
+
+
+class ResilienceConfig(Section):
+    mode: Literal["none", "inplace"] = "none"
+    """none: a failed rank fails the run. inplace: survivors keep their processes and state, a new process
+    takes the failed rank's number and is repaired from a peer (replicated strategies: ddp)."""
+    max_failures: int = Field(3, ge=0)
+
+
+class CommConfig(Section):
+    regroup_at: list[int] = []
+    """Steps after which every rank rebuilds its inner process group in place (a planned reconfiguration)."""
+
+
+class Recipe(Section):
+    model: ModelConfig = ModelConfig()
+    data: DataConfig = DataConfig()
+    strategy: StrategyConfig = StrategyConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    training: TrainingConfig = TrainingConfig()
+    world: WorldConfig = WorldConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    output: OutputConfig = OutputConfig()
+    resilience: ResilienceConfig = ResilienceConfig()
+    comm: CommConfig = CommConfig()
+
+
+def _accepted_keys(loc: tuple) -> list[str]:
+    model: type[BaseModel] = Recipe
+    for part in loc[:-1]:
+        field = model.model_fields.get(str(part))
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return []
+        model = field.annotation
+    return list(model.model_fields)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _pydantic_lines(err: ValidationError) -> list[str]:
+    lines = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"])
+        path = ".".join(str(p) for p in loc) or "<recipe>"
+        if e["type"] == "extra_forbidden":
+            keys = _accepted_keys(loc)
+            lines.append(f"{path}: unknown key; accepted: {', '.join(keys)}")
+        else:
+            lines.append(f"{path}: got {_short(e.get('input'))}; {e['msg'][0].lower() + e['msg'][1:]}")
+    return lines
+
+
+def _semantic_lines(r: Recipe) -> list[str]:
+    """Checks that span fields; each line names the field to change."""
+    lines = []
+    token_data = r.data.name in ("synthetic", "text")
+    if r.model.target is None:
+        if r.model.name == "gpt" and not token_data:
+            lines.append(f"model.name: 'gpt' cannot read data.name {r.data.name!r}; accepted data: synthetic, text")
+        if r.model.name in ("mlp", "cnn") and token_data:
+            lines.append(f"model.name: {r.model.name!r} cannot read token data {r.data.name!r}; accepted data: digits")
+        if r.model.name == "gpt" and r.model.width % r.model.heads:
+            lines.append(f"model.heads: got {r.model.heads}; must divide model.width ({r.model.width})")
+    elif ":" not in r.model.target:
+        lines.append(f"model.target: got {r.model.target!r}; accepted: 'package.module:function'")
+    if r.data.name == "text":
+        if not r.data.path:
+            lines.append("data.path: missing; data 'text' needs a text file")
+        elif not Path(r.data.path).is_file():
+            lines.append(f"data.path: got {r.data.path!r}; no such file")
+    if r.resilience.mode == "inplace" and r.strategy.name != "ddp":
+        lines.append(
+            f"resilience.mode: 'inplace' repairs a new rank from a peer's replica, which strategy.name "
+            f"{r.strategy.name!r} does not keep; accepted strategy: ddp"
+        )
+    bad = [s for s in r.comm.regroup_at if not 1 <= s < r.training.steps]
+    if bad:
+        lines.append(f"comm.regroup_at: got {bad}; steps must lie in 1..{r.training.steps - 1}")
+    return lines
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:
+    parsed = []
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not p for p in key.split(".")):
+            raise DtkError(f"override: got {item!r}; accepted: key.path=value (e.g. training.steps=50)")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        parsed.append((key.split("."), value))
+    return parsed
+
+
+def _apply(tree: dict, path: list[str], value: Any, item: str) -> None:
+    node = tree
+    for i, part in enumerate(path[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise DtkError(f"{'.'.join(path[:i + 1])}: is a value, not a section; cannot set {item!r}")
+        node = child
+    node[path[-1]] = value
+
+
+def read_file(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise DtkError(f"recipe: got {str(path)!r}; no such file")
+    try:
+        data = yaml.safe_load(p.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise DtkError(f"recipe: {str(path)!r} is not valid YAML{where}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise DtkError(f"recipe: {str(path)!r} holds a {type(data).__name__}; accepted: a mapping of sections")
+    return data
+
+
+def build(tree: dict, overrides: list[str] = ()) -> Recipe:
+    tree = copy.deepcopy(tree)
+    for path, value in parse_overrides(list(overrides)):
+        _apply(tree, path, value, ".".join(path))
+    try:
+        recipe = Recipe.model_validate(tree)
+    except ValidationError as e:
+        raise DtkError(*_pydantic_lines(e)) from None
+    lines = _semantic_lines(recipe)
+    if lines:
+        raise DtkError(*lines)
+    return recipe
+
+
+def load(path: str | Path, overrides: list[str] = ()) -> Recipe:
+    """Read, override and validate a recipe; raises DtkError with every problem found."""
+    return build(read_file(path), overrides)
+
+
+def dump(recipe: Recipe) -> str:
+    return yaml.safe_dump(recipe.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,136 @@
+"""What a person sees of a run: the launcher's one progress line, and summary.json made from metrics.jsonl."""
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from dtk.metrics import read_jsonl
+
+console = Console(stderr=True)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _rate(record: dict) -> str:
+    if record.get("tokens_per_second"):
+        return f"{record['tokens_per_second']:,.0f} tok/s"
+    return f"{record['samples_per_second']:,.0f} samples/s"
+
+
+class ProgressLine:
+    """One line for the whole run (not one per rank), fed by rank 0's metrics.jsonl."""
+
+    def __init__(self, run_dir: Path, *, total: int, enabled: bool):
+        self.path = Path(run_dir) / "metrics.jsonl"
+        self.enabled = enabled
+        self.total = total
+        self._offset = 0
+        self._last: dict | None = None
+        self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
+                                 disable=not enabled)
+        self.task = self.progress.add_task("starting ranks…", total=total)
+
+    def __enter__(self):
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.__exit__(*exc)
+
+    def update(self) -> None:
+        if not self.path.exists():
+            return
+        with open(self.path) as f:
+            f.seek(self._offset)
+            chunk = f.read()
+        end = chunk.rfind("\n")
+        if end < 0:
+            return
+        self._offset += len(chunk[:end + 1].encode())
+        for line in chunk[:end + 1].splitlines():
+            try:
+                self._last = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+        r = self._last
+        if r:
+            desc = (f"loss {r['loss']:.4f} | {_rate(r)} | {r['step_seconds'] * 1000:.0f} ms/step | "
+                    f"peak {human_bytes(max(r['peak_memory_bytes']))}")
+            self.progress.update(self.task, completed=r["step"] + 1, description=desc)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def summarize(run_dir: Path, *, wall_seconds: float, failures: list[dict], exit_code: int) -> dict:
+    recipe_text = (Path(run_dir) / "recipe.yaml").read_text() if (Path(run_dir) / "recipe.yaml").exists() else ""
+    import yaml
+
+    recipe = yaml.safe_load(recipe_text) or {}
+    warmup = recipe.get("training", {}).get("warmup_steps", 0)
+    world = recipe.get("world", {}).get("nproc", 1)
+    records = [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "loss" in r]
+    timed = [r for r in records if r["step"] >= warmup] or records
+    times = [r["step_seconds"] for r in timed]
+    after_first = [r for r in records if r["step"] > (records[0]["step"] if records else 0)] or records
+    kinds = sorted({k for r in after_first for k in r["comm"]["by_kind"]})
+    n = max(len(after_first), 1)
+    by_kind = {}
+    for k in kinds:
+        tot = {f: sum(r["comm"]["by_kind"].get(k, {}).get(f, 0) for r in after_first)
+               for f in ("calls", "bytes", "size_bytes", "seconds")}
+        by_kind[k] = {
+            "calls_per_step": tot["calls"] / n,
+            "bytes_per_step": tot["bytes"] / n,
+            "size_bytes_per_step": tot["size_bytes"] / n,
+            "seconds_per_step": tot["seconds"] / n,
+            "algbw_gbps": tot["size_bytes"] / tot["seconds"] / 1e9 if tot["seconds"] else 0.0,
+            "busbw_gbps": tot["bytes"] / tot["seconds"] / 1e9 if tot["seconds"] else 0.0,
+        }
+    useful = sum(r["step_seconds"] for r in records)
+    rate_key = "tokens_per_second" if records and records[0].get("tokens_per_second") else "samples_per_second"
+    return {
+        "status": "completed" if exit_code == 0 else "failed",
+        "exit_code": exit_code,
+        "steps": len(records),
+        "world_size": world,
+        "final_loss": records[-1]["loss"] if records else None,
+        "losses": [r["loss"] for r in records],
+        "wall_seconds": wall_seconds,
+        "warmup_steps_excluded": min(warmup, len(records)),
+        "throughput": statistics.fmean(r[rate_key] for r in timed) if timed else 0.0,
+        "throughput_unit": rate_key.replace("_per_second", "/s"),
+        "step_time_p50": percentile(times, 0.5),
+        "step_time_p95": percentile(times, 0.95),
+        "peak_memory_bytes": max((max(r["peak_memory_bytes"]) for r in records), default=0),
+        "comm": {
+            "bytes_per_step": sum(v["bytes_per_step"] for v in by_kind.values()),
+            "seconds_per_step": sum(v["seconds_per_step"] for v in by_kind.values()),
+            "by_kind": by_kind,
+        },
+        "failures": failures,
+        "productive_time_ratio": useful / wall_seconds if wall_seconds else 0.0,
+    }
+
+
+def write_summary(run_dir: Path, *, wall_seconds: float, failures: list[dict], exit_code: int) -> dict:
+    summary = summarize(run_dir, wall_seconds=wall_seconds, failures=failures, exit_code=exit_code)
+    (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary

@@ -1,0 +1,36 @@
+"""Strategy registry: name -> (builder, one-line description). Adding a strategy is one file and one line here."""
+from __future__ import annotations
+
+from typing import Callable
+
+from dtk.strategies.base import BuildContext, Engine
+
+
+def _ddp(ctx: BuildContext) -> Engine:
+    from dtk.strategies.ddp import build
+    return build(ctx)
+
+
+def _fsdp(ctx: BuildContext) -> Engine:
+    from dtk.strategies.fsdp import build
+    return build(ctx)
+
+
+def _zero(stage: int) -> Callable[[BuildContext], Engine]:
+    def build_stage(ctx: BuildContext) -> Engine:
+        from dtk.strategies.zero import build
+        return build(ctx, stage=stage)
+    return build_stage
+
+
+STRATEGIES: dict[str, tuple[Callable[[BuildContext], Engine], str]] = {
+    "ddp": (_ddp, "torch DistributedDataParallel: every rank holds everything, gradients all-reduced"),
+    "fsdp": (_fsdp, "torch FSDP2 fully_shard per block: parameters, gradients and optimizer sharded"),
+    "zero1": (_zero(1), "DeepSpeed ZeRO-1: optimizer states sharded"),
+    "zero2": (_zero(2), "DeepSpeed ZeRO-2: optimizer states and gradients sharded"),
+    "zero3": (_zero(3), "DeepSpeed ZeRO-3: parameters, gradients and optimizer states sharded"),
+}
+
+
+def build_engine(name: str, ctx: BuildContext) -> Engine:
+    return STRATEGIES[name][0](ctx)

@@ -1,0 +1,82 @@
+"""The Strategy interface: what every engine (DDP, FSDP, ZeRO) gives the trainer and the resilience layer."""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BuildContext:
+    """What a strategy needs to build its engine; the group is always the seam (a DtkGroup)."""
+
+    model_factory: Callable[[], nn.Module]
+    recipe: object
+    group: dist.ProcessGroup
+    device: torch.device
+
+
+class Engine(Protocol):
+    module: nn.Module
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, *, last_micro: bool) -> torch.Tensor:
+        """One micro-step: forward, loss, backward (gradients reduced on the last micro-step); returns the loss."""
+
+    def optimizer_step(self) -> None:
+        """Commit the step: clip (if asked), update, zero gradients."""
+
+    def discard_step(self) -> None:
+        """Drop this step's gradients without updating (its collectives failed)."""
+
+    def local_state(self) -> list[torch.Tensor]:
+        """The ordered tensors that make this rank this rank: parameters (or shards), optimizer state, counters.
+        They are the live tensors: writing into them changes the engine."""
+
+    def checkpoint_state(self) -> dict:
+        """A state dict for torch.distributed.checkpoint (save and load in place)."""
+
+    def after_checkpoint_load(self, state: dict) -> None:
+        """Push a loaded checkpoint_state() back into the engine."""
+
+
+def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+
+
+def build_torch_optimizer(params, cfg) -> torch.optim.Optimizer:
+    if cfg.name == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    # foreach=False: the same per-parameter math under every strategy (DeepSpeed steps one flat tensor)
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, foreach=False)
+
+
+def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create lazily-made optimizer state (a fresh process has none) so its tensors can receive a peer's.
+    The dry step's values are meaningless; the caller overwrites every tensor."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if all(p in optimizer.state and optimizer.state[p] for p in params):
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer, params) -> list[torch.Tensor]:
+    out = []
+    for p in params:
+        for _, t in sorted(optimizer.state.get(p, {}).items()):
+            if isinstance(t, torch.Tensor):
+                out.append(t)
+    return out
+
+
+def autocast(device: torch.device, precision: str):
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()

@@ -1,0 +1,57 @@
+"""DDP: every rank holds the whole model and optimizer; gradients are all-reduced in buckets during backward."""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.nn.parallel import DistributedDataParallel
+
+from dtk.strategies.base import (BuildContext, autocast, build_torch_optimizer, loss_fn,
+                                 materialize_optimizer_state, optimizer_tensors)
+
+
+class DDPEngine:
+    def __init__(self, ctx: BuildContext):
+        r = ctx.recipe
+        self.device, self.precision = ctx.device, r.training.precision
+        self.accum, self.clip = r.training.grad_accum, r.optimizer.grad_clip
+        model = ctx.model_factory().to(ctx.device)
+        self.module = DistributedDataParallel(
+            model, process_group=ctx.group, bucket_cap_mb=r.strategy.bucket_mb,
+            device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+        self.optimizer = build_torch_optimizer(self.module.parameters(), r.optimizer)
+
+    def forward_backward(self, x, y, *, last_micro: bool) -> torch.Tensor:
+        sync = contextlib.nullcontext() if last_micro else self.module.no_sync()
+        with sync:
+            with autocast(self.device, self.precision):
+                logits = self.module(x)
+            loss = loss_fn(logits, y)
+            (loss / self.accum).backward()
+        return loss.detach()
+
+    def optimizer_step(self) -> None:
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def discard_step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def local_state(self) -> list[torch.Tensor]:
+        materialize_optimizer_state(self.optimizer)
+        params = list(self.module.parameters())
+        return [p.data for p in params] + optimizer_tensors(self.optimizer, params)
+
+    def checkpoint_state(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def after_checkpoint_load(self, state: dict) -> None:
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def build(ctx: BuildContext) -> DDPEngine:
+    return DDPEngine(ctx)

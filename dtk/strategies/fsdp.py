@@ -1,0 +1,64 @@
+"""FSDP2: `fully_shard` each block, then the root; parameters, gradients and optimizer state are sharded.
+`strategy.reshard_after_forward: false` keeps parameters gathered between forward and backward (ZeRO-2 like)."""
+from __future__ import annotations
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from dtk.models import shard_units
+from dtk.strategies.base import (BuildContext, build_torch_optimizer, loss_fn, materialize_optimizer_state,
+                                 optimizer_tensors)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class FSDPEngine:
+    def __init__(self, ctx: BuildContext):
+        r = ctx.recipe
+        self.accum, self.clip = r.training.grad_accum, r.optimizer.grad_clip
+        mesh = DeviceMesh.from_group(ctx.group, ctx.device.type)
+        policy = MixedPrecisionPolicy()
+        if r.training.precision == "bf16":
+            policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        model = ctx.model_factory().to(ctx.device)
+        reshard = r.strategy.reshard_after_forward
+        for unit in shard_units(model):
+            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        self.module = fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        self.optimizer = build_torch_optimizer(self.module.parameters(), r.optimizer)
+
+    def forward_backward(self, x, y, *, last_micro: bool) -> torch.Tensor:
+        self.module.set_requires_gradient_sync(last_micro)
+        loss = loss_fn(self.module(x), y)
+        (loss / self.accum).backward()
+        return loss.detach()
+
+    def optimizer_step(self) -> None:
+        if self.clip:
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def discard_step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def local_state(self) -> list[torch.Tensor]:
+        materialize_optimizer_state(self.optimizer)
+        params = list(self.module.parameters())
+        return [_local(p.data) for p in params] + [_local(t) for t in optimizer_tensors(self.optimizer, params)]
+
+    def checkpoint_state(self) -> dict:
+        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def after_checkpoint_load(self, state: dict) -> None:
+        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def build(ctx: BuildContext) -> FSDPEngine:
+    return FSDPEngine(ctx)

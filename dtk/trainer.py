@@ -1,0 +1,116 @@
+"""The strategy-agnostic training loop: one step = micro-steps, commit (optimizer step), one record.
+
+A step whose collectives failed (the seam flags it) is not committed: its gradients are dropped, the group is
+rebuilt in place with the failed rank's replacement, the state is repaired, and the same step runs again.
+"""
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dtk.comm.group import Seam
+from dtk.metrics import MetricsWriter
+from dtk.resilience import checkpoint, inplace
+from dtk.resilience.control import Control
+
+log = logging.getLogger(__name__)
+# torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def peak_memory_bytes(device: torch.device, base_rss: int) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return max(0, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base_rss)
+
+
+@dataclass(kw_only=True)
+class Trainer:
+    recipe: object
+    engine: object
+    dataset: object
+    group: dist.ProcessGroup
+    control: Control
+    device: torch.device
+    base_rss: int
+    run_dir: str
+
+    def __post_init__(self):
+        self.rank, self.world = self.group.rank(), self.group.size()
+        t = self.recipe.training
+        self.samples_per_step = t.micro_batch * t.grad_accum * self.world
+        spec = self.dataset.spec
+        self.tokens_per_step = self.samples_per_step * spec.seq_len if spec.kind == "tokens" else 0
+        self.writer = MetricsWriter(self.run_dir) if self.rank == 0 else None
+
+    # -- one step --
+    def _micro_steps(self, step: int) -> torch.Tensor:
+        t = self.recipe.training
+        losses = []
+        for micro in range(t.grad_accum):
+            x, y = self.dataset.batch(step=step, rank=self.rank, micro=micro, size=t.micro_batch)
+            x, y = x.to(self.device), y.to(self.device)
+            losses.append(self.engine.forward_backward(x, y, last_micro=micro == t.grad_accum - 1))
+        return torch.stack(losses).float().mean()
+
+    def _gather(self, values: list[float]) -> torch.Tensor:
+        """dtk's own per-step exchange of small numbers (not counted as strategy traffic)."""
+        mine = torch.tensor(values, dtype=torch.float64, device=self.device)
+        out = torch.zeros(self.world * len(values), dtype=torch.float64, device=self.device)
+        with Seam.uncounted():
+            _all_gather_single(out, mine, group=self.group)
+        return out.view(self.world, len(values)).cpu()
+
+    def train_step(self, step: int) -> dict | None:
+        """Run one step; returns its record, or None when a peer failed and the step was not committed."""
+        t0 = time.perf_counter()
+        self.control.beat(step)
+        loss = self._micro_steps(step)
+        rows = self._gather([loss.item(), float(peak_memory_bytes(self.device, self.base_rss))])
+        if Seam.failure is not None:
+            self.engine.discard_step()
+            return None
+        self.engine.optimizer_step()
+        if Seam.failure is not None:
+            return None
+        comm = Seam.stats.take()
+        seconds = time.perf_counter() - t0
+        return {
+            "step": step,
+            "loss": float(rows[:, 0].mean()),
+            "step_seconds": seconds,
+            "samples_per_second": self.samples_per_step / seconds,
+            "tokens_per_second": self.tokens_per_step / seconds,
+            "peak_memory_bytes": [int(v) for v in rows[:, 1].tolist()],
+            "comm": comm,
+            "generation": Seam.generation,
+        }
+
+    # -- the loop --
+    def run(self, *, start_step: int) -> None:
+        r = self.recipe
+        step = start_step
+        Seam.stats.take()  # the engine's start-up traffic (DDP's broadcast, DeepSpeed's init) is not a step's
+        while step < r.training.steps:
+            record = self.train_step(step)
+            if record is None:
+                step = inplace.recover_survivor(engine=self.engine, control=self.control, group=self.group,
+                                                committed_step=step, device=self.device)
+                continue
+            step += 1
+            if self.writer:
+                self.writer.write(record)
+            if r.checkpoint.every and step % r.checkpoint.every == 0:
+                checkpoint.save(self.engine, step=step, run_dir=self.run_dir, keep=r.checkpoint.keep)
+            if step in r.comm.regroup_at:
+                seconds = Seam.reconfigure(Seam.generation + 1)
+                log.info("planned regroup after step %d: generation %d in %.3fs", step, Seam.generation, seconds)
+                if self.writer:
+                    self.writer.event({"event": "regroup", "step": step, "generation": Seam.generation,
+                                       "seconds": seconds})
+        self.control.finish(step)
