@@ -189,7 +189,9 @@ class Launcher:
         t_detect = time.time()
         r = self.recipe.resilience
         record = {"fault": signal_name(code), "rank": rank, "generation": self.generation, "detected_at": t_detect}
-        if r.mode != "inplace" or len(self.failures) >= r.max_failures:
+        started = all(self.control.check([f"started/{q}"]) for q in self.procs)
+        if r.mode != "inplace" or len(self.failures) >= r.max_failures or not started:
+            # (before every rank has started, the others are still in their first rendezvous: nothing to keep)
             self.stop_all()
             self.failures.append(record)
             append_event(self.run_dir, {"event": "failure", **record, "action": "stopped"})
@@ -197,9 +199,18 @@ class Launcher:
                                  f"Last lines of {self.run_dir / 'logs' / f'rank{rank}.log'}:")
             self.messages += [f"  {line}" for line in tail(self.run_dir / "logs" / f"rank{rank}.log")]
             return False
-        from dtk.resilience.supervisor import recover_in_place
+        from dtk.resilience.supervisor import RecoveryFailed, recover_in_place
 
-        record.update(recover_in_place(self, failed_rank=rank, t_detect=t_detect))
+        try:
+            record.update(recover_in_place(self, failed_rank=rank, t_detect=t_detect))
+        except RecoveryFailed as e:
+            self.stop_all()
+            self.failures.append(record)
+            append_event(self.run_dir, {"event": "failure", **record, "action": "recovery failed", "why": str(e)})
+            self.messages.append(f"error: rank {rank} failed ({signal_name(code)}) and in-place recovery failed: {e}")
+            for r in sorted(self.procs):
+                self.messages += [f"  rank {r}: {line}" for line in tail(self.run_dir / "logs" / f"rank{r}.log", 4)]
+            return False
         self.failures.append(record)
         append_event(self.run_dir, {"event": "failure", **record, "action": "recovered in place"})
         return True

@@ -75,9 +75,10 @@ def run_rank() -> None:
         # Built while the others train on: the group is local until the rejoin, so the engine's own start-up
         # collectives (DDP's broadcast, its bucket rebuild on the second step) stay on this process.
         x, y = dataset.batch(step=0, rank=rank, micro=0, size=recipe.training.micro_batch)
-        for _ in range(2):
-            engine.forward_backward(x.to(device), y.to(device), last_micro=True)
-        engine.discard_step()
+        with Seam.uncounted():
+            for _ in range(2):
+                engine.forward_backward(x.to(device), y.to(device), last_micro=True)
+            engine.discard_step()
         start, timings = inplace.rejoin(engine=engine, control=control, group=group, generation=int(join), device=device)
         control.report(int(join), "rejoined", {"engine_id": id(engine), "replacement": True, **timings})
         logging.getLogger(__name__).warning("joined generation %s at step %d: %s", join, start, timings)
@@ -86,6 +87,7 @@ def run_rank() -> None:
         if trainer.writer:
             trainer.writer.truncate_from(start)
         logging.getLogger(__name__).info("resumed from %s at step %d", found[1], start)
+    control.store.set(f"started/{rank}", str(start))
     trainer.run(start_step=start)
     control.close()
     dist.destroy_process_group()

@@ -87,6 +87,9 @@ class Seam:
     stats = CommStats()
     groups: list["DtkGroup"] = []
     failure: str | None = None
+    failed_generation = -1
+    failed_at = 0.0
+    """Wall-clock time at which this process's collectives were released (the seam saw the failure)."""
     generation = 0
     joining = False
     """True in a process that is built before it joins a running job: its groups stay local until reconfigured."""
@@ -107,16 +110,22 @@ class Seam:
             cls._counting.on = True
 
     @classmethod
-    def release(cls, reason: str) -> None:
-        """A peer failed: complete every outstanding collective now (its result is meaningless) and flag the step."""
-        if cls.failure is None:
+    def release(cls, reason: str, *, generation: int | None = None) -> None:
+        """A peer failed: complete every outstanding collective now (its result is meaningless) and flag the step.
+        A notice about an older generation (a retired group's late error) is ignored."""
+        if generation is not None and generation != cls.generation:
+            return
+        if cls.failed_generation != cls.generation:
+            cls.failed_generation = cls.generation
             cls.failure = reason
+            cls.failed_at = time.time()
             log.warning("collectives released: %s", reason)
         for g in list(cls.groups):
             g.release_outstanding()
 
     @classmethod
     def take_failure(cls) -> str | None:
+        """The reason of this generation's failure (once); the generation stays failed until reconfigured."""
         reason, cls.failure = cls.failure, None
         return reason
 
@@ -126,6 +135,7 @@ class Seam:
         t0 = time.perf_counter()
         cls.generation = generation
         cls.joining = False
+        cls.failure = None
         for g in cls.groups:
             g.rebuild(generation)
         return time.perf_counter() - t0
@@ -156,8 +166,8 @@ class SeamWork(dist._Work):
         try:
             fut.wait()
         except Exception as e:  # a peer died or the group was aborted: flag it, never raise into the strategy
-            if self._generation == Seam.generation:  # a late error of a retired group is not news
-                Seam.release(f"{self._kind} failed on rank {self._group.rank()}: {str(e).splitlines()[0][:200]}")
+            Seam.release(f"{self._kind} failed on rank {self._group.rank()}: {str(e).splitlines()[0][:200]}",
+                         generation=self._generation)
         self._finish(None)
 
     def _finish(self, _) -> None:
@@ -276,11 +286,17 @@ class DtkGroup(dist.ProcessGroup):
             return self._inner_cuda
         return self._inner_cpu
 
-    def _run(self, kind: str, tensors, result, call, *, size_bytes: int | None = None, peer: int | None = None):
+    def _run(self, kind: str, tensors, result, call, *, size_bytes: int | None = None, peer: int | None = None,
+             local=None):
         if Seam.counting():
             Seam.stats.issued(kind, _nbytes(tensors) if size_bytes is None else size_bytes, self.size(), peer)
         inner = self._inner(tensors)
-        if inner is None:  # joining: local until reconfigured; the data is replaced by the state repair after
+        if inner is None or Seam.failed_generation == Seam.generation:
+            # Joining (local until reconfigured) or a peer already failed this step: complete at once, as if every
+            # peer held what this rank holds. The values are meaningless and are replaced by the state repair.
+            if local is not None:
+                with torch.no_grad():
+                    local()
             return SeamWork(self, kind, result, None)
         return SeamWork(self, kind if Seam.counting() else "", result, call(inner))
 
@@ -299,11 +315,13 @@ class DtkGroup(dist.ProcessGroup):
 
     def allgather(self, output_lists, inputs, opts):
         size = sum(_nbytes(o) for o in output_lists)
-        return self._run("all_gather", inputs, output_lists, lambda g: g.allgather(output_lists, inputs, opts), size_bytes=size)
+        return self._run("all_gather", inputs, output_lists, lambda g: g.allgather(output_lists, inputs, opts),
+                         size_bytes=size, local=lambda: _fill_lists(output_lists, inputs))
 
     def allgather_coalesced(self, output_lists, inputs, opts):
         size = sum(_nbytes(o) for o in output_lists)
-        return self._run("all_gather", inputs, output_lists, lambda g: g.allgather_coalesced(output_lists, inputs, opts), size_bytes=size)
+        return self._run("all_gather", inputs, output_lists, lambda g: g.allgather_coalesced(output_lists, inputs, opts),
+                         size_bytes=size, local=lambda: _fill_lists(output_lists, inputs))
 
     def reduce_scatter(self, outputs, input_lists, opts):
         size = sum(_nbytes(i) for i in input_lists)
@@ -311,7 +329,8 @@ class DtkGroup(dist.ProcessGroup):
 
     def all_gather_single(self, output, input, opts=None):
         opts = opts or dist.AllgatherOptions()
-        return self._run("all_gather", [input], [output], lambda g: g._allgather_base(output, input, opts), size_bytes=_nbytes([output]))
+        return self._run("all_gather", [input], [output], lambda g: g._allgather_base(output, input, opts),
+                         size_bytes=_nbytes([output]), local=lambda: _fill_flat(output, input))
 
     _allgather_base = all_gather_single
 
@@ -323,7 +342,7 @@ class DtkGroup(dist.ProcessGroup):
 
     def all_gather_single_coalesced(self, outputs, inputs, opts):
         return self._run("all_gather", inputs, outputs, lambda g: self._serial(g._allgather_base, outputs, inputs, opts),
-                         size_bytes=_nbytes(outputs))
+                         size_bytes=_nbytes(outputs), local=lambda: [_fill_flat(o, i) for o, i in zip(outputs, inputs)])
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
         return self._run("reduce_scatter", outputs, outputs, lambda g: self._serial(g._reduce_scatter_base, outputs, inputs, opts),
@@ -359,6 +378,16 @@ class DtkGroup(dist.ProcessGroup):
 
     def recv(self, tensors, src, tag):
         return self._run("recv", tensors, tensors, lambda g: g.recv(tensors, src, tag), peer=src)
+
+
+def _fill_lists(output_lists, inputs) -> None:
+    for outs, inp in zip(output_lists, inputs):
+        for o in outs:
+            o.copy_(inp)
+
+
+def _fill_flat(output: torch.Tensor, input: torch.Tensor) -> None:
+    output.view(-1, input.numel()).copy_(input.reshape(1, -1))
 
 
 def _done_future(value) -> torch.futures.Future:

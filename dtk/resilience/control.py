@@ -31,7 +31,6 @@ class Control:
         self.store = dist.PrefixStore("dtk", connect(address))
         self._watch_store = dist.PrefixStore("dtk", connect(address))
         self.step = 0
-        self.released_at: float | None = None
         self._stop = threading.Event()
         threading.Thread(target=self._watch, name="dtk-control", daemon=True).start()
 
@@ -39,10 +38,10 @@ class Control:
         last_beat = 0.0
         while not self._stop.wait(POLL_SECONDS):
             try:
-                key = f"gen{Seam.generation}/failure"
-                if Seam.failure is None and self._watch_store.check([key]):
-                    self.released_at = time.time()
-                    Seam.release(self._watch_store.get(key).decode())
+                generation = Seam.generation
+                key = f"gen{generation}/failure"
+                if Seam.failed_generation != generation and self._watch_store.check([key]):
+                    Seam.release(self._watch_store.get(key).decode(), generation=generation)
                 if time.monotonic() - last_beat > 0.5:
                     self._watch_store.set(f"beat/{self.rank}", json.dumps({"step": self.step, "t": time.time()}))
                     last_beat = time.monotonic()

@@ -50,11 +50,10 @@ def recover_survivor(*, engine, control, group, committed_step: int, device: tor
     generation = Seam.generation
     reason = Seam.take_failure()
     engine.discard_step()
-    control.report(generation, "failed", {"step": committed_step, "released_at": control.released_at or time.time(),
+    control.report(generation, "failed", {"step": committed_step, "released_at": Seam.failed_at,
                                 "reason": reason, "engine_id": id(engine)})
     log.warning("step %d not committed (%s); waiting for the plan of generation %d", committed_step, reason, generation + 1)
     step, timings = rejoin(engine=engine, control=control, group=group, generation=generation + 1, device=device)
-    control.released_at = None
     log.warning("recovered in place into generation %d at step %d, same engine object %#x: %s",
                 generation + 1, step, id(engine), timings)
     control.report(generation + 1, "rejoined", { "engine_id": id(engine), **timings})

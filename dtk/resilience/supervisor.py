@@ -9,6 +9,10 @@ from dtk.errors import DtkError
 REPORT_TIMEOUT_S = 120.0
 
 
+class RecoveryFailed(RuntimeError):
+    """In-place recovery could not finish (another rank died, or a report never came); the run stops."""
+
+
 def _wait_keys(launcher, keys: list[str], *, what: str) -> dict[str, dict]:
     """Wait until every key is set, while watching that the processes involved are alive."""
     deadline = time.monotonic() + REPORT_TIMEOUT_S
@@ -19,9 +23,9 @@ def _wait_keys(launcher, keys: list[str], *, what: str) -> dict[str, dict]:
                 got[k] = json.loads(launcher.control.get(k))
         dead = [r for r, p in launcher.procs.items() if p.poll() not in (None, 0)]
         if dead and len(got) < len(keys):
-            raise RuntimeError(f"rank(s) {dead} died during recovery ({what})")
+            raise RecoveryFailed(f"rank(s) {dead} died during recovery ({what})")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"recovery stalled: no {what} from {sorted(set(keys) - set(got))}")
+            raise RecoveryFailed(f"recovery stalled: no {what} from {sorted(set(keys) - set(got))}")
         time.sleep(0.01)
     return got
 
