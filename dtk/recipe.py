@@ -99,10 +99,16 @@ class OutputConfig(Section):
 
 
 class ResilienceConfig(Section):
-    mode: Literal["none", "inplace"] = "none"
-    """none: a failed rank fails the run. inplace: survivors keep their processes and state, a new process
-    takes the failed rank's number and is repaired from a peer (replicated strategies: ddp)."""
+    mode: Literal["none", "checkpoint", "inplace"] = "none"
+    """none: a failed rank fails the run. checkpoint: stop every rank, start them again, reload the latest
+    checkpoint, redo the lost steps (needs checkpoint.every). inplace: survivors keep their processes and state,
+    a new process takes the failed rank's number and is repaired from a peer (replicated strategies: ddp)."""
     max_failures: int = Field(3, ge=0)
+    """Recoveries allowed in one run; the next failure stops it."""
+    heartbeat_timeout_s: float = Field(60.0, gt=0)
+    """A started rank whose step does not advance for this long is hung: it is killed and recovered."""
+    checksum_every: int = Field(0, ge=0)
+    """Verify every N steps that each rank's local state did not change between steps (bit flips); 0 = never."""
 
 
 class CommConfig(Section):
@@ -174,6 +180,9 @@ def _semantic_lines(r: Recipe) -> list[str]:
             f"resilience.mode: 'inplace' repairs a new rank from a peer's replica, which strategy.name "
             f"{r.strategy.name!r} does not keep; accepted strategy: ddp"
         )
+    if r.resilience.mode == "checkpoint" and not r.checkpoint.every:
+        lines.append("resilience.mode: 'checkpoint' restarts from a checkpoint, but checkpoint.every is 0; "
+                     "set checkpoint.every to a number of steps >= 1")
     bad = [s for s in r.comm.regroup_at if not 1 <= s < r.training.steps]
     if bad:
         lines.append(f"comm.regroup_at: got {bad}; steps must lie in 1..{r.training.steps - 1}")

@@ -60,9 +60,11 @@ class ProgressLine:
         self._offset += len(chunk[:end + 1].encode())
         for line in chunk[:end + 1].splitlines():
             try:
-                self._last = json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError:
                 continue
+            if "loss" in record:  # event lines (failures) carry no loss
+                self._last = record
         r = self._last
         if r:
             desc = (f"loss {r['loss']:.4f} | {_rate(r)} | {r['step_seconds'] * 1000:.0f} ms/step | "

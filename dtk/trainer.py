@@ -6,6 +6,7 @@ rebuilt in place with the failed rank's replacement, the state is repaired, and 
 from __future__ import annotations
 
 import logging
+import os
 import resource
 import time
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from dtk.comm.group import Seam
 from dtk.metrics import MetricsWriter
 from dtk.resilience import checkpoint, inplace
 from dtk.resilience.control import Control
+from dtk.resilience.faults import CORRUPT_EXIT, Injector, checksum
 
 log = logging.getLogger(__name__)
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
@@ -39,6 +41,7 @@ class Trainer:
     device: torch.device
     base_rss: int
     run_dir: str
+    injector: Injector
 
     def __post_init__(self):
         self.rank, self.world = self.group.rank(), self.group.size()
@@ -47,6 +50,33 @@ class Trainer:
         spec = self.dataset.spec
         self.tokens_per_step = self.samples_per_step * spec.seq_len if spec.kind == "tokens" else 0
         self.writer = MetricsWriter(self.run_dir) if self.rank == 0 else None
+        self._sums: list[int] | None = None
+        # a fault aimed at the backward phase fires when backward reaches the model's output
+        self.engine.module.register_forward_hook(self._arm_backward_fault)
+
+    def _arm_backward_fault(self, module, inputs, output) -> None:
+        if isinstance(output, torch.Tensor) and output.requires_grad and self.injector.pending:
+            step = self.injector.step
+            output.register_hook(lambda grad: self.injector.at(step, "backward"))
+
+    def _verify_state(self, step: int) -> None:
+        """Between two steps nothing may change a rank's state: a changed checksum is corruption (a bit flip)."""
+        every = self.recipe.resilience.checksum_every
+        if not every or step % every or self._sums is None:
+            return
+        now = checksum(self.engine.local_state())
+        bad = [i for i, (a, b) in enumerate(zip(self._sums, now)) if a != b]
+        if bad:
+            log.error("local state corrupted before step %d: checksum mismatch in tensor(s) %s; not training on it",
+                      step, bad[:8])
+            self.control.mark("corrupt", {"step": step, "tensors": bad[:8], "time": time.time()})
+            logging.shutdown()
+            os._exit(CORRUPT_EXIT)
+
+    def _remember_state(self, step: int) -> None:
+        every = self.recipe.resilience.checksum_every
+        if every and (step + 1) % every == 0:
+            self._sums = checksum(self.engine.local_state())
 
     # -- one step --
     def _micro_steps(self, step: int) -> torch.Tensor:
@@ -70,14 +100,19 @@ class Trainer:
         """Run one step; returns its record, or None when a peer failed and the step was not committed."""
         t0 = time.perf_counter()
         self.control.beat(step)
+        self.injector.at(step, "forward")
+        self._verify_state(step)
         loss = self._micro_steps(step)
+        self.injector.straggle(time.perf_counter() - t0)
         rows = self._gather([loss.item(), float(peak_memory_bytes(self.device, self.base_rss))])
         if Seam.failure is not None:
             self.engine.discard_step()
             return None
+        self.injector.at(step, "optimizer")
         self.engine.optimizer_step()
         if Seam.failure is not None:
             return None
+        self._remember_state(step)
         comm = Seam.stats.take()
         seconds = time.perf_counter() - t0
         return {
@@ -89,6 +124,7 @@ class Trainer:
             "peak_memory_bytes": [int(v) for v in rows[:, 1].tolist()],
             "comm": comm,
             "generation": Seam.generation,
+            "time": time.time(),
         }
 
     # -- the loop --

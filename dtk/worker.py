@@ -3,6 +3,10 @@ engine, then hand over to the trainer. Started by dtk.launch as `python -m dtk.w
 LOCAL_RANK, DTK_RUN_DIR and DTK_STORE in its environment (DTK_JOIN_GENERATION for a replacement rank)."""
 from __future__ import annotations
 
+import time
+
+STARTED_AT = time.time()  # before the heavy imports: the launcher's "process start" vs "import" split
+
 import datetime
 import logging
 import os
@@ -37,17 +41,22 @@ def run_rank() -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     run_dir = os.environ["DTK_RUN_DIR"]
     join = os.environ.get("DTK_JOIN_GENERATION")
+    attempt = int(os.environ.get("DTK_ATTEMPT", "0"))
     _setup_logging(rank)
     recipe = recipes.load(Path(run_dir) / "recipe.yaml")
 
     import torch
     import torch.distributed as dist
 
+    timeline = {"spawned_at": float(os.environ.get("DTK_SPAWNED_AT", STARTED_AT)), "main_at": STARTED_AT,
+                "imported_at": time.time()}
+
     from dtk.comm.group import Seam, register
     from dtk.data import build_dataset
     from dtk.models import build_model
     from dtk.resilience import checkpoint, inplace
     from dtk.resilience.control import Control, connect
+    from dtk.resilience.faults import Fault, Injector
     from dtk.strategies import BuildContext, build_engine
     from dtk.trainer import Trainer
 
@@ -57,18 +66,26 @@ def run_rank() -> None:
     register(use_nccl=use_nccl)
     Seam.joining = join is not None
     Seam.generation = int(join or 0)
-    control = Control(address=os.environ["DTK_STORE"], rank=rank)
-    dist.init_process_group("dtk", store=dist.PrefixStore("world", connect(os.environ["DTK_STORE"])), rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=recipe.world.timeout_s))
+    control = Control(address=os.environ["DTK_STORE"], rank=rank, attempt=attempt)
+    # every attempt rendezvouses on its own prefix: a restarted rank must not read a dead attempt's addresses
+    dist.init_process_group("dtk", store=dist.PrefixStore(f"a{attempt}/world", connect(os.environ["DTK_STORE"])),
+                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=recipe.world.timeout_s))
     group = dist.group.WORLD
+    timeline["group_at"] = time.time()
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     dataset = build_dataset(recipe.data, seed=recipe.training.seed)
     ctx = BuildContext(model_factory=lambda: build_model(recipe.model, dataset.spec, seed=recipe.training.seed),
                        recipe=recipe, group=group, device=device)
     engine = build_engine(recipe.strategy.name, ctx)
+    timeline["engine_at"] = time.time()
+    injector = Injector(rank=rank, store=control.run_store, engine=engine)
+    for spec in control.initial_faults():
+        injector.add(Fault(**spec))
+    control.on_faults = lambda specs: [injector.add(Fault(**f)) for f in specs]
+    control.start()
     trainer = Trainer(recipe=recipe, engine=engine, dataset=dataset, group=group, control=control,
-                      device=device, base_rss=base_rss, run_dir=run_dir)
+                      device=device, base_rss=base_rss, run_dir=run_dir, injector=injector)
 
     start = 0
     if join is not None:
@@ -82,12 +99,13 @@ def run_rank() -> None:
         start, timings = inplace.rejoin(engine=engine, control=control, group=group, generation=int(join), device=device)
         control.report(int(join), "rejoined", {"engine_id": id(engine), "replacement": True, **timings})
         logging.getLogger(__name__).warning("joined generation %s at step %d: %s", join, start, timings)
-    elif recipe.checkpoint.resume == "auto" and (found := checkpoint.latest(run_dir)):
+    elif (recipe.checkpoint.resume == "auto" or attempt > 0) and (found := checkpoint.latest(run_dir)):
         start = checkpoint.load(engine, found[1])
         if trainer.writer:
             trainer.writer.truncate_from(start)
         logging.getLogger(__name__).info("resumed from %s at step %d", found[1], start)
-    control.store.set(f"started/{rank}", str(start))
+    timeline.update(loaded_at=time.time(), start_step=start)
+    control.mark("started", timeline)
     trainer.run(start_step=start)
     control.close()
     dist.destroy_process_group()

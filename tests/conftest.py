@@ -34,7 +34,7 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def losses(run_dir: Path) -> list[float]:
-    return [r["loss"] for r in read_jsonl(Path(run_dir) / "metrics.jsonl")]
+    return [r["loss"] for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "loss" in r]
 
 
 def train(run_dir: Path, *overrides: str, recipe: Path = RECIPES / "quickstart.yaml", timeout: float = 240) -> Path:

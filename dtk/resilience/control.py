@@ -1,7 +1,9 @@
-"""A rank's line to its launcher, over the run's TCPStore: heartbeats, failure notices, reports and plans.
+"""A rank's line to its launcher, over the run's TCPStore: heartbeats, failure notices, faults, reports, plans.
 
 A watcher thread (its own store connection) polls for the launcher's failure notice of the current generation
-and releases the seam's blocked collectives at once, so no rank waits for a collective timeout.
+and releases the seam's blocked collectives at once, so no rank waits for a collective timeout. Keys live under
+`dtk/a<attempt>/` (one attempt = one set of rank processes; a checkpoint restart starts a new attempt) and
+`dtk/run/` (what holds across attempts: faults and their firing).
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from dtk.comm.group import Seam
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.05
+BEAT_SECONDS = 0.25
 
 
 def connect(address: str, *, timeout_s: float = 300) -> dist.Store:
@@ -25,14 +28,29 @@ def connect(address: str, *, timeout_s: float = 300) -> dist.Store:
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def attempt_prefix(attempt: int) -> str:
+    return f"dtk/a{attempt}"
+
+
+RUN_PREFIX = "dtk/run"
+
+
 class Control:
-    def __init__(self, *, address: str, rank: int):
+    def __init__(self, *, address: str, rank: int, attempt: int):
         self.rank = rank
-        self.store = dist.PrefixStore("dtk", connect(address))
-        self._watch_store = dist.PrefixStore("dtk", connect(address))
+        self.store = dist.PrefixStore(attempt_prefix(attempt), connect(address))
+        self.run_store = dist.PrefixStore(RUN_PREFIX, connect(address))
+        self._watch_store = dist.PrefixStore(attempt_prefix(attempt), connect(address))
+        self._watch_run = dist.PrefixStore(RUN_PREFIX, connect(address))
         self.step = 0
+        self.on_faults = None
+        """Called from the watcher thread with newly announced fault specs (a list of dicts) for this rank."""
+        self._faults_seen = 0
         self._stop = threading.Event()
-        threading.Thread(target=self._watch, name="dtk-control", daemon=True).start()
+        self._thread = threading.Thread(target=self._watch, name="dtk-control", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
 
     def _watch(self) -> None:
         last_beat = 0.0
@@ -42,14 +60,34 @@ class Control:
                 key = f"gen{generation}/failure"
                 if Seam.failed_generation != generation and self._watch_store.check([key]):
                     Seam.release(self._watch_store.get(key).decode(), generation=generation)
-                if time.monotonic() - last_beat > 0.5:
-                    self._watch_store.set(f"beat/{self.rank}", json.dumps({"step": self.step, "t": time.time()}))
+                if time.monotonic() - last_beat > BEAT_SECONDS:
+                    outstanding = sum(len(g.outstanding) for g in Seam.groups)
+                    self._watch_store.set(f"beat/{self.rank}", json.dumps(
+                        {"step": self.step, "t": time.time(), "outstanding": outstanding}))
                     last_beat = time.monotonic()
+                    self._poll_faults()
             except Exception:  # the launcher went away: the run is over, the main thread will find out
                 return
 
+    def _poll_faults(self) -> None:
+        key = f"faults/{self.rank}"
+        if self.on_faults is None or not self._watch_run.check([key]):
+            return
+        faults = json.loads(self._watch_run.get(key))
+        if len(faults) > self._faults_seen:
+            self.on_faults(faults[self._faults_seen:])
+            self._faults_seen = len(faults)
+
+    def initial_faults(self) -> list[dict]:
+        key = f"faults/{self.rank}"
+        return json.loads(self.run_store.get(key)) if self.run_store.check([key]) else []
+
     def beat(self, step: int) -> None:
         self.step = step
+
+    def mark(self, name: str, payload: dict) -> None:
+        """A fact for the launcher (timeline of start-up, reports), under this attempt's prefix."""
+        self.store.set(f"{name}/{self.rank}", json.dumps(payload))
 
     def report(self, generation: int, kind: str, payload: dict) -> None:
         """kind: "failed" (this rank saw generation's failure) or "rejoined" (it runs in generation)."""

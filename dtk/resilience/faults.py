@@ -1,0 +1,180 @@
+"""Faults on purpose: a registry of what can go wrong with a rank, the `kind:rank=R,step=S[,phase=P]` spelling,
+and the injector that fires a fault inside its rank at the chosen step and phase.
+
+A fault fires once per run, even across restarts: its firing is recorded in the run's store before it acts.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from dtk.errors import DtkError
+
+log = logging.getLogger(__name__)
+
+FAULTS: dict[str, str] = {
+    "kill": "SIGKILL the rank's process",
+    "segv": "SIGSEGV the rank's process (a crash in native code)",
+    "exit": "the rank exits with code 3",
+    "hang": "the rank stays alive but stops making progress (blocked before its next collective)",
+    "slow": "straggler: from that step on the rank's steps take `factor` times longer (default 3)",
+    "corrupt": "flip one bit in one tensor of the rank's local state (caught by the state checksum)",
+}
+PHASES = ("forward", "backward", "optimizer")
+CORRUPT_EXIT = 75
+"""Exit code of a rank that found its local state corrupted."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Fault:
+    kind: str
+    rank: int
+    step: int | None = None
+    """None: at the rank's next step."""
+    phase: str = "forward"
+    factor: float = 3.0
+    id: str = ""
+
+    def spec(self) -> str:
+        parts = [f"rank={self.rank}"] + ([f"step={self.step}"] if self.step is not None else [])
+        parts += [f"phase={self.phase}"] if self.phase != "forward" else []
+        parts += [f"factor={self.factor:g}"] if self.kind == "slow" else []
+        return f"{self.kind}:{','.join(parts)}"
+
+
+def parse(spec: str, *, world: int, fault_id: str, flag: str = "--fault") -> Fault:
+    """`kill:rank=1,step=20` -> Fault; a bad spec raises DtkError naming the flag, the value and what is accepted."""
+    kind, _, rest = spec.partition(":")
+    if kind not in FAULTS:
+        raise DtkError(f"{flag}: got {spec!r}; the fault must be one of {', '.join(FAULTS)}")
+    fields: dict[str, str] = {}
+    for item in filter(None, rest.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or key not in ("rank", "step", "phase", "factor"):
+            raise DtkError(f"{flag}: got {item!r} in {spec!r}; accepted keys: rank, step, phase, factor (key=value)")
+        fields[key] = value
+    try:
+        rank = int(fields.get("rank", "-1"))
+        step = int(fields["step"]) if "step" in fields else None
+        factor = float(fields.get("factor", "3"))
+    except ValueError:
+        raise DtkError(f"{flag}: got {spec!r}; rank and step are whole numbers, factor a number") from None
+    if not 0 <= rank < world:
+        raise DtkError(f"{flag}: got rank={fields.get('rank')} in {spec!r}; accepted: rank=0..{world - 1}")
+    if step is not None and step < 0:
+        raise DtkError(f"{flag}: got step={step} in {spec!r}; accepted: a step >= 0")
+    phase = fields.get("phase", "forward")
+    if phase not in PHASES:
+        raise DtkError(f"{flag}: got phase={phase!r} in {spec!r}; accepted: {', '.join(PHASES)}")
+    if factor < 1:
+        raise DtkError(f"{flag}: got factor={factor:g} in {spec!r}; accepted: factor >= 1")
+    return Fault(kind=kind, rank=rank, step=step, phase=phase, factor=factor, id=fault_id)
+
+
+def parse_duration(text: str, flag: str) -> float:
+    units = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+    for unit in sorted(units, key=len, reverse=True):
+        if text.endswith(unit):
+            number = text[: -len(unit)]
+            break
+    else:
+        unit, number = "s", text
+    try:
+        value = float(number) * units[unit]
+    except ValueError:
+        value = -1
+    if value <= 0:
+        raise DtkError(f"{flag}: got {text!r}; accepted: a duration like 30s, 500ms, 2m")
+    return value
+
+
+def random_schedule(*, mtbf_s: float, seed: int, world: int, kind: str, horizon_s: float = 24 * 3600) -> list[tuple[float, int]]:
+    """(seconds after start, rank) of faults with exponential gaps of mean `mtbf_s`; deterministic by seed."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    while len(out) < 1000:
+        t += rng.expovariate(1.0 / mtbf_s)
+        if t > horizon_s:
+            break
+        out.append((t, rng.randrange(world)))
+    return out
+
+
+def flip_bit(tensors: list[torch.Tensor]) -> tuple[int, int]:
+    """Flip one bit of the first element of the first non-empty tensor; returns (tensor index, bit)."""
+    for i, t in enumerate(tensors):
+        if t.numel():
+            bits = t.detach().reshape(-1)[:1].view(torch.uint8)
+            bits[0] ^= 0x10
+            return i, 4
+    raise RuntimeError("no state to corrupt")
+
+
+class Injector:
+    """Holds this rank's faults and fires each at its step and phase. Faults arrive at start and while running
+    (`dtk inject-failure --run`); `fired` records in the store keep a fault from firing twice across restarts."""
+
+    def __init__(self, *, rank: int, store, engine):
+        self.rank, self.store, self.engine = rank, store, engine
+        self.pending: list[Fault] = []
+        self.lock = threading.Lock()
+        self.slow_factor = 1.0
+        self.step = 0
+
+    def add(self, fault: Fault) -> None:
+        with self.lock:
+            if fault.rank == self.rank and all(f.id != fault.id for f in self.pending) and not self._fired(fault):
+                self.pending.append(fault)
+
+    def _fired(self, fault: Fault) -> bool:
+        return self.store.check([f"fired/{fault.id}"])
+
+    def at(self, step: int, phase: str) -> None:
+        self.step = step
+        if not self.pending:
+            return
+        with self.lock:
+            due = [f for f in self.pending if f.phase == phase and (f.step is None or f.step <= step)]
+            for f in due:
+                self.pending.remove(f)
+        for f in due:
+            self._fire(f, step)
+
+    def _fire(self, f: Fault, step: int) -> None:
+        self.store.set(f"fired/{f.id}", json.dumps({**asdict(f), "at_step": step, "time": time.time()}))
+        log.warning("injecting fault %s at step %d (%s)", f.spec(), step, f.phase)
+        if f.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif f.kind == "segv":
+            os.kill(os.getpid(), signal.SIGSEGV)
+        elif f.kind == "exit":
+            os._exit(3)
+        elif f.kind == "hang":
+            threading.Event().wait()
+        elif f.kind == "slow":
+            self.slow_factor = f.factor
+        elif f.kind == "corrupt":
+            index, bit = flip_bit(self.engine.local_state())
+            log.warning("flipped bit %d of tensor %d of the local state", bit, index)
+
+    def straggle(self, compute_seconds: float) -> None:
+        if self.slow_factor > 1:
+            time.sleep(compute_seconds * (self.slow_factor - 1))
+
+
+def checksum(tensors: list[torch.Tensor]) -> list[int]:
+    """One integer per tensor: the sum of its bytes read as int32 (or uint8), so any flipped bit changes it."""
+    out = []
+    for t in tensors:
+        flat = t.detach().reshape(-1)
+        raw = flat.view(torch.int32) if flat.element_size() == 4 else flat.view(torch.uint8)
+        out.append(int(raw.sum(dtype=torch.int64)))
+    return out
