@@ -18,7 +18,8 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="dtk: one recipe, trained under DDP, FSDP or DeepSpeed ZeRO, with resilience and comm layers.")
 bench_app = typer.Typer(no_args_is_help=True, help="Measure dtk against its peers.")
 app.add_typer(bench_app, name="bench")
-out = Console()
+# wide enough for the report tables when output goes to a file or a pipe
+out = Console(width=None if sys.stdout.isatty() else 140)
 
 RecipeArg = Annotated[str, typer.Argument(help="The recipe YAML file.")]
 OverridesArg = Annotated[Optional[list[str]], typer.Argument(help="Overrides as key.path=value, e.g. training.steps=50.")]
@@ -68,7 +69,7 @@ def _print_run_result(run_dir, code: int) -> None:
                   f"comm {human_bytes(summary['comm']['bytes_per_step'])}/step; run folder {run_dir}")
         for f in summary["failures"]:
             out.print(f"  recovered: rank {f['rank']} ({f['fault']}) at step {f.get('step')}, "
-                      f"in {f.get('recovery_s', 0):.2f}s")
+                      f"downtime {_fmt(f.get('downtime_s'))}s, {f.get('steps_lost', 0)} steps lost", highlight=False)
     else:
         out.print(f"[red]failed[/]: run folder {run_dir}", highlight=False)
 
@@ -114,6 +115,134 @@ def datasets() -> None:
     _listing("data sets", DATASETS)
 
 
+@app.command()
+def compare(
+    recipe: RecipeArg,
+    overrides: OverridesArg = None,
+    strategies: Annotated[Optional[str], typer.Option(help="Comma list of strategy.name values, e.g. ddp,fsdp,zero3.")] = None,
+    variant: Annotated[Optional[list[str]], typer.Option(help="NAME:key=value,key=value; repeatable.")] = None,
+    out_dir: Annotated[Optional[str], typer.Option("--out", help="The compare folder; default runs/compare-<recipe>-<time>.")] = None,
+    assert_parity: Annotated[Optional[float], typer.Option(min=0.0, metavar="TOL", help="Exit 1 when a variant's loss differs from the first's by more than TOL (relative) at any step.")] = None,
+    progress: Annotated[bool, typer.Option(help="Show each run's progress line.")] = True,
+) -> None:
+    """Run a recipe under several strategies or overrides, one after another; table + compare.json/.md/.png."""
+    import shlex
+
+    from dtk import compare as cmp
+
+    variants = cmp.resolve(recipe, overrides or [], strategies=strategies, variant_flags=variant or [])
+    folder = cmp.prepare_out_dir(out_dir, recipe)
+    command = "dtk " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    result = cmp.run(recipe_path=recipe, variants=variants, out_dir=folder, command=command, console=out,
+                     parity_tolerance=assert_parity, show_progress=progress)
+    cmp.write(result)
+    out.print(cmp.table(result))
+    out.print(cmp.verdict_line(result), highlight=False)
+    out.print(f"written: {folder / 'compare.json'}, compare.md, compare.png", highlight=False)
+    code = 0 if len(result.done) == len(result.variants) else RUN_FAILED_EXIT
+    for v in result.parity_failures():
+        out.print(f"[red]parity broken[/]: {v['variant']} differs from {result.variants[0]['variant']} by "
+                  f"{v['max_rel_loss_diff']:.2e} (relative) at worst; --assert-parity {assert_parity:g}", highlight=False)
+        code = RUN_FAILED_EXIT
+    raise typer.Exit(code)
+
+
+@app.command("inject-failure")
+def inject_failure(
+    args: Annotated[Optional[list[str]], typer.Argument(
+        help="RECIPE [key=value ...] to start a run with faults; with --run: the fault specs.")] = None,
+    fault: Annotated[Optional[list[str]], typer.Option(
+        help="KIND:rank=R,step=S[,phase=forward|backward|optimizer][,factor=F]; repeatable. `dtk faults` lists kinds.")] = None,
+    run: Annotated[Optional[str], typer.Option(help="Aim the faults at this run folder's live run instead.")] = None,
+    mtbf: Annotated[Optional[str], typer.Option(help="Also inject faults at random, this mean time apart (e.g. 30s).")] = None,
+    mtbf_fault: Annotated[str, typer.Option(help="The kind of the random faults.")] = "kill",
+    seed: Annotated[int, typer.Option(help="Seed of the random faults (which rank, when).")] = 0,
+    progress: Annotated[bool, typer.Option(help="Show the live progress line.")] = True,
+) -> None:
+    """Break a run on purpose and report what recovery cost (detect, downtime and its breakdown, steps lost)."""
+    from dtk.resilience import faults as fl
+
+    args, specs = list(args or []), list(fault or [])
+    if run is not None:
+        from dtk.resilience.live import send_faults
+
+        if not args + specs:
+            raise DtkError("fault: none given; accepted: KIND:rank=R[,step=S] (e.g. kill:rank=1)")
+        for spec in args + specs:  # check here first, so a typo is one clear line
+            fl.parse(spec, world=1 << 16, fault_id="check", flag="fault")
+        for line in send_faults(run, args + specs):
+            out.print(f"scheduled: {line} on the run in {run}", highlight=False)
+        return
+    if not args:
+        raise DtkError("recipe: missing; accepted: dtk inject-failure RECIPE [key=value ...] --fault KIND:rank=R,step=S")
+    from dtk.launch import launch
+
+    recipe_path, overrides = args[0], args[1:]
+    r = recipes.load(recipe_path, overrides)
+    world = r.world.nproc
+    parsed = [fl.parse(spec, world=world, fault_id=f"f{i}") for i, spec in enumerate(specs)]
+    if mtbf_fault not in fl.FAULTS:
+        raise DtkError(f"--mtbf-fault: got {mtbf_fault!r}; accepted: {', '.join(fl.FAULTS)}")
+    schedule = fl.random_schedule(mtbf_s=fl.parse_duration(mtbf, "--mtbf"), seed=seed, world=world,
+                                  kind=mtbf_fault) if mtbf else []
+    if not parsed and not schedule:
+        raise DtkError("--fault: none given; accepted: --fault KIND:rank=R,step=S (repeatable) or --mtbf 30s")
+    if any(f.kind == "corrupt" for f in parsed) or mtbf_fault == "corrupt":
+        if not r.resilience.checksum_every:
+            r.resilience.checksum_every = 1  # a corruption must be caught, never trained on
+    code, run_dir = launch(r, recipe_path=recipe_path, show_progress=progress, inject=parsed,
+                           fault_schedule=schedule, schedule_kind=mtbf_fault)
+    _print_recovery_report(run_dir)
+    _print_run_result(run_dir, code)
+    raise typer.Exit(code)
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _print_recovery_report(run_dir) -> None:
+    import json
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    table = Table(title="recovery report")
+    for col in ("fault", "rank", "step", "recovery", "detect s", "downtime s", "steps lost"):
+        table.add_column(col, no_wrap=True)
+    stages = sorted({k for f in summary["failures"] for k in f.get("breakdown_s", {})},
+                    key=lambda k: list(STAGE_ORDER).index(k) if k in STAGE_ORDER else 99)
+    for f in summary["failures"]:
+        recovery = f.get("recovery", "in place" if "recovery_s" in f else "none (stopped)")
+        table.add_row(str(f["fault"]), str(f["rank"]), str(f["step"]), recovery, _fmt(f.get("detect_s")),
+                      _fmt(f.get("downtime_s")), str(f.get("steps_lost", "-")))
+    downtimes = [f["downtime_s"] for f in summary["failures"] if f.get("downtime_s") is not None]
+    lost = sum(f.get("steps_lost") or 0 for f in summary["failures"])
+    table.add_row("total", "", "", "", "", _fmt(sum(downtimes)) if downtimes else "-", str(lost))
+    out.print(table)
+    if stages:
+        parts = Table(title="downtime breakdown (s)")
+        parts.add_column("fault")
+        for k in stages:
+            parts.add_column(k.replace("_", " "), no_wrap=True)
+        for f in summary["failures"]:
+            b = f.get("breakdown_s", {})
+            parts.add_row(f"{f['fault']}@{f['step']}", *(_fmt(b.get(k)) for k in stages))
+        out.print(parts)
+    out.print(f"productive time ratio: {summary['productive_time_ratio']:.3f} "
+              f"(useful step time / wall time {summary['wall_seconds']:.1f}s)", highlight=False)
+
+
+STAGE_ORDER = ("detect", "stop", "release", "process_start", "import", "group_init", "engine_build",
+               "checkpoint_load", "replay", "plan", "regroup_and_repair")
+
+
+@app.command()
+def faults() -> None:
+    """List the faults `dtk inject-failure` can inject."""
+    from dtk.resilience.faults import FAULTS
+
+    _listing("faults", FAULTS)
+
+
 @bench_app.command("comm")
 def bench_comm(
     nproc: Annotated[int, typer.Option(min=2, max=16, help="Local ranks.")] = 2,
@@ -147,7 +276,12 @@ def main() -> None:
         if type(e).__name__ == "NoArgsIsHelpError" and ctx is not None:
             print(ctx.get_help())
             sys.exit(0)
-        print(f"error: {e.format_message().splitlines()[0]}", file=sys.stderr)
+        message = e.format_message().splitlines()[0]
+        # typer checks option values with pydantic, whose message leaves out the value the user gave
+        errors = getattr(e.__cause__, "errors", None)
+        if callable(errors) and errors() and "input" in errors()[0]:
+            message += f"; got {errors()[0]['input']!r}"
+        print(f"error: {message}", file=sys.stderr)
         sys.exit(USER_ERROR_EXIT)
     except typer.Exit as e:
         sys.exit(e.exit_code)
