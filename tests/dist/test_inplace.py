@@ -59,7 +59,8 @@ def test_kill_one_of_three_ddp_ranks_recovers_in_place_with_same_losses(tmp_path
 
     # same losses, bit for bit, as the run without the kill
     assert losses(run_dir) == losses(reference)
-    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(STEPS))
+    records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in records] == list(range(STEPS))
 
     summary = json.loads((run_dir / "summary.json").read_text())
     [failure] = summary["failures"]
@@ -73,7 +74,8 @@ def test_kill_one_of_three_ddp_ranks_recovers_in_place_with_same_losses(tmp_path
     assert 0 <= released_after_kill < 5.0, released_after_kill
     # the new rank 2 got the state from a survivor: parameters + Adam state of the whole model
     assert failure["repair_bytes"] > 0 and failure["source_rank"] in (0, 1)
-    assert max(r["generation"] for r in read_jsonl(run_dir / "metrics.jsonl")) == 1
+    assert max(r["generation"] for r in records) == 1
+    assert failure["steps_lost"] == 0 and failure["downtime_s"] > 0
 
 
 @pytest.mark.timeout(300)
@@ -83,7 +85,7 @@ def test_planned_regroup_keeps_sharded_engines_and_losses(tmp_path, strategy):
     reference = train(tmp_path / "ref", *steps)
     regrouped = train(tmp_path / "regroup", *steps, "comm.regroup_at=[5,11]")
     assert losses(regrouped) == losses(reference)
-    records = read_jsonl(regrouped / "metrics.jsonl")
+    records = [r for r in read_jsonl(regrouped / "metrics.jsonl") if "loss" in r]
     assert [r["generation"] for r in records] == [0] * 5 + [1] * 6 + [2] * 5
     events = [e for e in read_jsonl(regrouped / "events.jsonl") if e["event"] == "regroup"]
     assert [e["step"] for e in events] == [5, 11]
