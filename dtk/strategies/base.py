@@ -76,6 +76,28 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer, params) -> list[torch.Te
     return out
 
 
+def clip_and_step(module: nn.Module, optimizer: torch.optim.Optimizer, clip: float) -> None:
+    """The commit of a torch-optimizer engine (DDP, FSDP2): clip the global norm if asked, update, drop grads."""
+    if clip:
+        torch.nn.utils.clip_grad_norm_(module.parameters(), clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def torch_checkpoint_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """DCP-ready model + optimizer state (reshardable: DTensors for FSDP2, plain tensors for DDP)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(module, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def load_torch_checkpoint_state(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
 def autocast(device: torch.device, precision: str):
     if precision == "bf16":
         return torch.autocast(device.type, dtype=torch.bfloat16)

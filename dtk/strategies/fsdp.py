@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from dtk.models import shard_units
-from dtk.strategies.base import (BuildContext, build_torch_optimizer, loss_fn, materialize_optimizer_state,
-                                 optimizer_tensors)
+from dtk.strategies.base import (BuildContext, build_torch_optimizer, clip_and_step, load_torch_checkpoint_state,
+                                 loss_fn, materialize_optimizer_state, optimizer_tensors, torch_checkpoint_state)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -39,10 +38,7 @@ class FSDPEngine:
         return loss.detach()
 
     def optimizer_step(self) -> None:
-        if self.clip:
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.clip)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        clip_and_step(self.module, self.optimizer, self.clip)
 
     def discard_step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
@@ -53,11 +49,10 @@ class FSDPEngine:
         return [_local(p.data) for p in params] + [_local(t) for t in optimizer_tensors(self.optimizer, params)]
 
     def checkpoint_state(self) -> dict:
-        model_sd, optim_sd = get_state_dict(self.module, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
+        return torch_checkpoint_state(self.module, self.optimizer)
 
     def after_checkpoint_load(self, state: dict) -> None:
-        set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        load_torch_checkpoint_state(self.module, self.optimizer, state)
 
 
 def build(ctx: BuildContext) -> FSDPEngine:
