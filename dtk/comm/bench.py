@@ -1,0 +1,193 @@
+"""`dtk bench comm`: an nccl-tests-like sweep over local ranks, the native gloo group and dtk's seam side by side
+(time, algbw, busbw per size and collective, measured in the same processes, alternating which goes first)."""
+from __future__ import annotations
+
+import datetime
+import json
+import re
+import socket
+import sys
+import time
+from pathlib import Path
+
+from dtk.errors import DtkError
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+_SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)(?:I?B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
+        "reduce_scatter": lambda n: (n - 1) / n}
+
+
+def parse_size(text: str, flag: str) -> int:
+    """'4K', '64M', '1G' (binary units, as nccl-tests) or plain bytes '4096' -> bytes."""
+    m = _SIZE.match(text or "")
+    if not m or int(m.group(1)) == 0:
+        raise DtkError(f"{flag}: got '{text}'; accepted: a size like 4K, 1M, 64M")
+    return int(m.group(1)) * _UNITS[m.group(2).upper()]
+
+
+def bus_factor(kind: str, n: int) -> float:
+    """busbw / algbw, as nccl-tests: 2(n-1)/n for all-reduce, (n-1)/n for all-gather and reduce-scatter."""
+    return _BUS[kind](n)
+
+
+def sizes(min_bytes: int, max_bytes: int) -> list[int]:
+    out, s = [], min_bytes
+    while s <= max_bytes:
+        out.append(s)
+        s *= 2
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_ranks(target, *, nproc: int, args: tuple = (), timeout_s: float = 1800) -> object:
+    """Run `target(rank, nproc, store_port, queue, *args)` in `nproc` fresh processes on a TCPStore hosted here;
+    returns what rank 0 put on the queue. A rank that fails stops the others and raises."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    port = _free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    procs = [ctx.Process(target=target, args=(rank, nproc, port, queue, *args), daemon=True) for rank in range(nproc)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    result = None
+    try:
+        while True:
+            if not queue.empty():
+                result = queue.get()
+            codes = [p.exitcode for p in procs]
+            if any(c not in (None, 0) for c in codes):
+                raise RuntimeError(f"a rank failed: exit codes {codes}")
+            if all(c == 0 for c in codes):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ranks still running after {timeout_s:.0f}s")
+            time.sleep(0.05)
+        while result is None and not queue.empty():
+            result = queue.get()
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        del store
+    return result
+
+
+def _timed(op, iters: int, group, native) -> float:
+    """Seconds per op: `iters` back-to-back calls after a barrier; the slowest rank's time (as the op ends there)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier(group=native)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        op(group)
+    elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=native)
+    return float(elapsed)
+
+
+def _sweep_rank(rank: int, nproc: int, port: int, queue, kinds, byte_sizes, iters: int, warmup: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from dtk.comm.group import Seam, register
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group("gloo", store=dist.PrefixStore("bench", store), rank=rank, world_size=nproc)
+    register()
+    groups = {"native": dist.group.WORLD, "seam": dist.new_group(backend="dtk")}
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    rows = []
+    for i, size in enumerate(byte_sizes):
+        count = max(nproc, size // 4 // nproc * nproc)  # float32 elements, divisible into n equal chunks
+        full = torch.ones(count)
+        part = torch.ones(count // nproc)
+        ops = {"all_reduce": lambda g: dist.all_reduce(full, group=g),
+               "all_gather": lambda g: all_gather(full, part, group=g),
+               "reduce_scatter": lambda g: reduce_scatter(part, full, group=g)}
+        # alternate which backend goes first, so the machine's noise does not always favour one
+        order = ("native", "seam") if i % 2 == 0 else ("seam", "native")
+        for kind in kinds:
+            row = {"op": kind, "size_bytes": count * 4, "count": count, "nproc": nproc}
+            for name in order:
+                for _ in range(warmup):
+                    ops[kind](groups[name])
+                Seam.stats.take()
+                seconds = _timed(ops[kind], iters, groups[name], groups["native"])
+                algbw = row["size_bytes"] / seconds / 1e9
+                row[name] = {"time_s": seconds, "algbw_gbps": algbw, "busbw_gbps": algbw * bus_factor(kind, nproc)}
+                if name == "seam":  # what the seam counted per call: nccl-tests' size, if it counts right
+                    stats = Seam.stats.take()["by_kind"].get(kind, {"calls": 0, "size_bytes": 0})
+                    row["seam_counted_size_bytes"] = stats["size_bytes"] / max(stats["calls"], 1)
+            row["seam_over_native_algbw"] = row["seam"]["algbw_gbps"] / row["native"]["algbw_gbps"]
+            rows.append(row)
+    dist.barrier()
+    if rank == 0:
+        queue.put(rows)
+    dist.destroy_process_group()
+
+
+def human_size(n: int) -> str:
+    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return str(n)
+
+
+def print_table(rows: list[dict], *, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for col in ("size", "op", "native us", "algbw GB/s", "busbw GB/s", "seam us", "algbw GB/s", "busbw GB/s",
+                "seam/native"):
+        table.add_column(col, justify="left" if col == "op" else "right")
+    for r in rows:
+        n, s = r["native"], r["seam"]
+        table.add_row(human_size(r["size_bytes"]), r["op"],
+                      f"{n['time_s'] * 1e6:,.0f}", f"{n['algbw_gbps']:.3f}", f"{n['busbw_gbps']:.3f}",
+                      f"{s['time_s'] * 1e6:,.0f}", f"{s['algbw_gbps']:.3f}", f"{s['busbw_gbps']:.3f}",
+                      f"{r['seam_over_native_algbw']:.2f}x")
+    Console(width=None if sys.stdout.isatty() else 140).print(table)
+
+
+def run_sweep(*, nproc: int, kinds: list[str], min_bytes: int, max_bytes: int, iters: int, warmup: int,
+              json_out: str | None = None, show: bool = True) -> list[dict]:
+    """Sweep sizes min..max (doubling) for each collective in `kinds` on `nproc` local gloo ranks, native and
+    through the seam; print the table, write the rows to `json_out` if given, and return them."""
+    if min_bytes > max_bytes:
+        raise DtkError(f"--min-bytes: got {min_bytes} bytes, above --max-bytes ({max_bytes}); accepted: min <= max")
+    bad = [k for k in kinds if k not in KINDS]
+    if bad or not kinds:
+        raise DtkError(f"--ops: got {bad[0] if bad else 'nothing'!r}; accepted: {', '.join(KINDS)}")
+    if json_out:
+        try:
+            Path(json_out).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise DtkError(f"--json: got '{json_out}'; cannot create its folder ({e.strerror})") from None
+    byte_sizes = sizes(min_bytes, max_bytes)
+    rows = spawn_ranks(_sweep_rank, nproc=nproc, args=(list(kinds), byte_sizes, iters, warmup))
+    if show:
+        print_table(rows, title=f"collectives on {nproc} local ranks, gloo: native vs dtk seam "
+                                f"({iters} iters after {warmup} warm-up)")
+    if json_out:
+        meta = {"nproc": nproc, "backend": "gloo", "iters": iters, "warmup": warmup,
+                "time": "mean seconds per op over iters, slowest rank",
+                "units": {"algbw_gbps": "1e9 bytes/s", "size_bytes": "nccl-tests size"}}
+        Path(json_out).write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
+    return rows
