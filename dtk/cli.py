@@ -44,12 +44,13 @@ def train(
     progress: Annotated[bool, typer.Option(help="Show the live progress line.")] = True,
 ) -> None:
     """Train a recipe: start the ranks, show progress, leave a run folder."""
-    from dtk.launch import Topology, launch
-
     r = recipes.load(recipe, overrides or [])
     if node_rank >= nnodes:
         raise DtkError(f"--node-rank: got {node_rank}; accepted: 0..{nnodes - 1} (--nnodes is {nnodes})")
-    topo = Topology(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=_parse_endpoint(rdzv_endpoint))
+    endpoint = _parse_endpoint(rdzv_endpoint)
+    from dtk.launch import Topology, launch  # imports torch: only once the input is known to be good
+
+    topo = Topology(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=endpoint)
     code, run_dir = launch(r, recipe_path=recipe, topology=topo, show_progress=progress)
     _print_run_result(run_dir, code)
     raise typer.Exit(code)
