@@ -24,6 +24,11 @@ class ZeroEngine:
         r = ctx.recipe
         self.stage, self.rank = stage, ctx.group.rank()
         self.bf16 = r.training.precision == "bf16"
+        # On CPU, DeepSpeed's comm backend JIT-builds a shared-memory all-reduce (~40 s cold; rebuilt whenever a
+        # process with another ninja version touched the cache) that only its inference path uses and that would
+        # bypass the seam. Marking it incompatible makes init_distributed skip the build.
+        import deepspeed.ops
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend="dtk", dist_init_required=False)
         zero: dict = {"stage": stage}
         if stage == 3:
