@@ -48,9 +48,6 @@ def run_rank() -> None:
     import torch
     import torch.distributed as dist
 
-    timeline = {"spawned_at": float(os.environ.get("DTK_SPAWNED_AT", STARTED_AT)), "main_at": STARTED_AT,
-                "imported_at": time.time()}
-
     from dtk.comm.group import Seam, register
     from dtk.data import build_dataset
     from dtk.models import build_model
@@ -59,6 +56,9 @@ def run_rank() -> None:
     from dtk.resilience.faults import Fault, Injector
     from dtk.strategies import BuildContext, build_engine
     from dtk.trainer import Trainer
+
+    timeline = {"spawned_at": float(os.environ.get("DTK_SPAWNED_AT", STARTED_AT)), "main_at": STARTED_AT,
+                "imported_at": time.time()}
 
     torch.set_num_threads(recipe.world.threads_per_rank)
     device = _device(recipe, local_rank)

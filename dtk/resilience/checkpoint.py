@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +26,8 @@ def latest(run_dir: str | Path) -> tuple[int, Path] | None:
 
 
 def save(engine, *, step: int, run_dir: str | Path, keep: int) -> float:
+    import torch.distributed.checkpoint as dcp  # here, not at the top: the launcher's latest() must not pay its 1.5 s
+
     t0 = time.perf_counter()
     path = checkpoint_dir(run_dir) / f"step_{step}"
     state = {"engine": engine.checkpoint_state(), "step": torch.tensor(step)}
@@ -42,6 +43,8 @@ def save(engine, *, step: int, run_dir: str | Path, keep: int) -> float:
 
 def load(engine, path: Path) -> int:
     """Load a checkpoint into the live engine in place; returns the step it was taken after."""
+    import torch.distributed.checkpoint as dcp
+
     engine.local_state()  # creates lazily-made optimizer state, so there is a tensor to load into
     state = {"engine": engine.checkpoint_state(), "step": torch.tensor(0)}
     dcp.load(state, checkpoint_id=str(path))
