@@ -27,7 +27,7 @@ from dtk.resilience import faults
 from dtk.resilience.control import RUN_PREFIX, attempt_prefix
 from dtk.resilience.live import LiveControl
 from dtk.resilience.supervisor import (HangWatch, RecoveryFailed, describe_failure, finalize_failures,
-                                       recover_in_place, restart_from_checkpoint)
+                                       recover_in_place, restart_from_checkpoint, signal_name)
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.02
@@ -61,15 +61,6 @@ def prepare_run_dir(recipe: recipes.Recipe, recipe_path: str | None) -> Path:
     recipe.output.dir = str(run_dir)
     (run_dir / "recipe.yaml").write_text(recipes.dump(recipe))
     return run_dir
-
-
-def signal_name(code: int) -> str:
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
 
 
 def tail(path: Path, n: int = 12) -> list[str]:

@@ -1,12 +1,24 @@
-"""The launcher's side of in-place recovery: notice to the survivors, a replacement for the failed rank, the plan."""
+"""The launcher's side of recovery: naming a failure (and finding hung ranks), the checkpoint-restart baseline,
+in-place recovery (notice, replacement, plan), and each failure's figures once the run is over."""
 from __future__ import annotations
 
 import json
+import signal
 import time
 
 from dtk.errors import DtkError
 
 REPORT_TIMEOUT_S = 120.0
+
+
+def signal_name(code: int) -> str:
+    """A process's exit status as a person reads it: "killed by SIGKILL", "exit code 3"."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
 
 
 class RecoveryFailed(RuntimeError):
@@ -103,7 +115,6 @@ class HangWatch:
 
 def describe_failure(launcher, *, rank: int, code: int, t_detect: float) -> dict:
     """What failed, when it was caused (if dtk caused it) and at which step."""
-    from dtk.launch import signal_name
     from dtk.metrics import read_jsonl
     from dtk.resilience.faults import CORRUPT_EXIT
 
