@@ -160,6 +160,7 @@ class Launcher:
         self.attempt, self.generation = attempt, 0
         self.control = dist.PrefixStore(attempt_prefix(attempt), self.store)
         self.hangs.reset()
+        self._all_started = False
 
     def deliver(self, fault) -> None:
         """Announce a fault to its rank (read at start-up and polled while running)."""
@@ -226,12 +227,17 @@ class Launcher:
         return self.control.check([f"done/{rank}"])
 
     def _started(self) -> bool:
-        return all(self.control.check([f"started/{q}"]) for q in self.procs)
+        """Every rank of this attempt has built its engine (remembered: the supervisor asks 50 times a second)."""
+        if not self._all_started:
+            self._all_started = all(self.control.check([f"started/{q}"]) for q in self.procs)
+        return self._all_started
 
     def _supervise(self, progress) -> int:
-        next_random = 0
+        next_random, next_progress = 0, 0.0
         while True:
-            progress.update()
+            if time.monotonic() >= next_progress:  # the ranks need the CPU more than the progress line does
+                progress.update()
+                next_progress = time.monotonic() + 0.2
             now = time.time() - self.t_start
             while next_random < len(self.fault_schedule) and self.fault_schedule[next_random][0] <= now:
                 _, rank = self.fault_schedule[next_random]
@@ -281,6 +287,7 @@ class Launcher:
             return True
         try:
             record.update(recover_in_place(self, failed_rank=rank, t_detect=t_detect))
+            self.hangs.reset()  # the replacement's heartbeats start afresh
         except RecoveryFailed as e:
             self.stop_all()
             self.failures.append(record)

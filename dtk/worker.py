@@ -101,9 +101,9 @@ def run_rank() -> None:
         logging.getLogger(__name__).warning("joined generation %s at step %d: %s", join, start, timings)
     elif (recipe.checkpoint.resume == "auto" or attempt > 0) and (found := checkpoint.latest(run_dir)):
         start = checkpoint.load(engine, found[1])
-        if trainer.writer:
-            trainer.writer.truncate_from(start)
         logging.getLogger(__name__).info("resumed from %s at step %d", found[1], start)
+    if trainer.writer and join is None:
+        trainer.writer.truncate_from(start)  # records past the start are from a run that did not keep them
     timeline.update(loaded_at=time.time(), start_step=start)
     control.mark("started", timeline)
     trainer.run(start_step=start)
