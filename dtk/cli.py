@@ -184,8 +184,7 @@ def inject_failure(
     parsed = [fl.parse(spec, world=world, fault_id=f"f{i}") for i, spec in enumerate(specs)]
     if mtbf_fault not in fl.FAULTS:
         raise DtkError(f"--mtbf-fault: got {mtbf_fault!r}; accepted: {', '.join(fl.FAULTS)}")
-    schedule = fl.random_schedule(mtbf_s=fl.parse_duration(mtbf, "--mtbf"), seed=seed, world=world,
-                                  kind=mtbf_fault) if mtbf else []
+    schedule = fl.random_schedule(mtbf_s=fl.parse_duration(mtbf, "--mtbf"), seed=seed, world=world) if mtbf else []
     if not parsed and not schedule:
         raise DtkError("--fault: none given; accepted: --fault KIND:rank=R,step=S (repeatable) or --mtbf 30s")
     if any(f.kind == "corrupt" for f in parsed) or mtbf_fault == "corrupt":
@@ -294,4 +293,3 @@ def main() -> None:
 if __name__ == "__main__":
     main()
 
-__all__ = ["app", "main", "RUN_FAILED_EXIT"]

@@ -277,10 +277,6 @@ class DtkGroup(dist.ProcessGroup):
         if self._inner_cuda is not None:
             self._inner_cuda.abort()
 
-    @property
-    def is_local(self) -> bool:
-        return self._inner_cpu is None
-
     def _inner(self, tensors):
         if self._inner_cuda is not None and tensors and tensors[0].is_cuda:
             return self._inner_cuda
@@ -413,9 +409,3 @@ def register(*, use_nccl: bool = False) -> None:
         devices = ["cpu", "cuda"] if use_nccl else ["cpu"]
         dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=devices)
         _Registered.done = True
-
-
-def world_group() -> DtkGroup:
-    g = dist.group.WORLD
-    assert isinstance(g, DtkGroup), f"the default group is {type(g).__name__}, not dtk's seam"
-    return g

@@ -96,7 +96,7 @@ def parse_duration(text: str, flag: str) -> float:
     return value
 
 
-def random_schedule(*, mtbf_s: float, seed: int, world: int, kind: str, horizon_s: float = 24 * 3600) -> list[tuple[float, int]]:
+def random_schedule(*, mtbf_s: float, seed: int, world: int, horizon_s: float = 24 * 3600) -> list[tuple[float, int]]:
     """(seconds after start, rank) of faults with exponential gaps of mean `mtbf_s`; deterministic by seed."""
     rng = random.Random(seed)
     t, out = 0.0, []

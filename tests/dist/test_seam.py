@@ -5,20 +5,15 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
+from dtk.launch import free_port
+
 pytestmark = [pytest.mark.dist]
 STRATEGIES = ["ddp", "fsdp", "zero1", "zero2", "zero3"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank_main(rank: int, world: int, port: int, results) -> None:
@@ -68,7 +63,7 @@ def _rank_main(rank: int, world: int, port: int, results) -> None:
 def measured():
     world = 2
     results = mp.Manager().dict()
-    mp.start_processes(_rank_main, args=(world, _free_port(), results), nprocs=world, start_method="spawn")
+    mp.start_processes(_rank_main, args=(world, free_port(), results), nprocs=world, start_method="spawn")
     return dict(results)
 
 
