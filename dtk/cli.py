@@ -71,6 +71,13 @@ def _print_run_result(run_dir, code: int) -> None:
         for f in summary["failures"]:
             out.print(f"  recovered: rank {f['rank']} ({f['fault']}) at step {f.get('step')}, "
                       f"downtime {_fmt(f.get('downtime_s'))}s, {f.get('steps_lost', 0)} steps lost", highlight=False)
+    elif code == 130:
+        from dtk.resilience import checkpoint
+
+        found = checkpoint.latest(run_dir)
+        resume = (f"resumable from the checkpoint of step {found[0]}: run the same command with "
+                  f"output.dir={run_dir}" if found else "not resumable: no checkpoint was saved (set checkpoint.every)")
+        out.print(f"[yellow]interrupted[/] at step {summary['steps']}; {resume}", highlight=False)
     else:
         out.print(f"[red]failed[/]: run folder {run_dir}", highlight=False)
 
@@ -206,17 +213,19 @@ def _print_recovery_report(run_dir) -> None:
 
     summary = json.loads((run_dir / "summary.json").read_text())
     table = Table(title="recovery report")
-    for col in ("fault", "rank", "step", "recovery", "detect s", "downtime s", "steps lost"):
+    for col in ("fault", "rank", "step", "recovery", "replaced by", "detect s", "downtime s", "steps lost"):
         table.add_column(col, no_wrap=True)
     stages = sorted({k for f in summary["failures"] for k in f.get("breakdown_s", {})},
                     key=lambda k: list(STAGE_ORDER).index(k) if k in STAGE_ORDER else 99)
     for f in summary["failures"]:
         recovery = f.get("recovery", "in place" if "recovery_s" in f else "none (stopped)")
-        table.add_row(str(f["fault"]), str(f["rank"]), str(f["step"]), recovery, _fmt(f.get("detect_s")),
-                      _fmt(f.get("downtime_s")), str(f.get("steps_lost", "-")))
+        by = [x for x in f.get("replacements", []) if x["rank"] == f["rank"]]
+        table.add_row(str(f["fault"]), str(f["rank"]), str(f["step"]), recovery,
+                      by[-1]["replacement"] + (f" {by[-1]['shadow']}" if "shadow" in by[-1] else "") if by else "-",
+                      _fmt(f.get("detect_s")), _fmt(f.get("downtime_s")), str(f.get("steps_lost", "-")))
     downtimes = [f["downtime_s"] for f in summary["failures"] if f.get("downtime_s") is not None]
     lost = sum(f.get("steps_lost") or 0 for f in summary["failures"])
-    table.add_row("total", "", "", "", "", _fmt(sum(downtimes)) if downtimes else "-", str(lost))
+    table.add_row("total", "", "", "", "", "", _fmt(sum(downtimes)) if downtimes else "-", str(lost))
     out.print(table)
     if stages:
         parts = Table(title="downtime breakdown (s)")
@@ -232,7 +241,7 @@ def _print_recovery_report(run_dir) -> None:
 
 
 STAGE_ORDER = ("detect", "stop", "release", "process_start", "import", "group_init", "engine_build",
-               "checkpoint_load", "replay", "plan", "regroup_and_repair")
+               "checkpoint_load", "replay", "plan", "regroup", "state_transfer", "redo")
 
 
 @app.command()

@@ -26,8 +26,10 @@ from dtk.report import ProgressLine, write_summary
 from dtk.resilience import faults
 from dtk.resilience.control import RUN_PREFIX, attempt_prefix
 from dtk.resilience.live import LiveControl
-from dtk.resilience.supervisor import (HangWatch, RecoveryFailed, describe_failure, finalize_failures,
-                                       recover_in_place, restart_from_checkpoint, signal_name)
+from dtk.resilience.recovery import RecoveryFailed, recover_in_place
+from dtk.resilience.shadow import ShadowPool
+from dtk.resilience.supervisor import (HangWatch, StormWatch, describe_failure, finalize_failures,
+                                       restart_from_checkpoint, signal_name)
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.02
@@ -91,13 +93,15 @@ class Launcher:
         self.attempt = 0
         self.failures: list[dict] = []
         self.messages: list[str] = []
-        self.hangs = HangWatch(timeout_s=self.recipe.resilience.heartbeat_timeout_s)
+        self.hangs = HangWatch(fixed_s=self.recipe.resilience.heartbeat_timeout_s)
+        self.storm = StormWatch()
+        self.shadows: ShadowPool | None = None
         self._fault_lock = threading.Lock()
         self._live_count = 0
         self.attributed: set[str] = set()
 
     # -- processes --
-    def _env(self, rank: int, join_generation: int | None) -> dict:
+    def _env(self, rank: int, join_generation: int | None, shadow_id: int | None = None) -> dict:
         env = dict(os.environ)
         env.update(RANK=str(rank), WORLD_SIZE=str(self.world), LOCAL_RANK=str(rank - self.first_rank),
                    LOCAL_WORLD_SIZE=str(self.recipe.world.nproc), DTK_RUN_DIR=str(self.run_dir),
@@ -106,29 +110,79 @@ class Launcher:
         if self.recipe.world.device == "cpu" or not env.get("DS_ACCELERATOR"):
             env["DS_ACCELERATOR"] = "cpu" if self.recipe.world.device != "cuda" else "cuda"
         env.pop("DTK_JOIN_GENERATION", None)
+        env.pop("DTK_SHADOW", None)
         if join_generation is not None:
             env["DTK_JOIN_GENERATION"] = str(join_generation)
+        if shadow_id is not None:
+            env["DTK_SHADOW"] = str(shadow_id)
         return env
 
+    def _popen(self, log_name: str, env: dict) -> subprocess.Popen:
+        logf = open(self.run_dir / "logs" / log_name, "ab")
+        try:
+            # a rank dies with its launcher, and leaves Ctrl-C to it (the launcher stops the ranks and reports)
+            return subprocess.Popen([sys.executable, "-m", "dtk.worker"], env=env, stdout=logf,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_rank_preexec)
+        finally:
+            logf.close()
+
     def spawn(self, rank: int, join_generation: int | None = None) -> subprocess.Popen:
-        logf = open(self.run_dir / "logs" / f"rank{rank}.log", "ab")
-        proc = subprocess.Popen([sys.executable, "-m", "dtk.worker"], env=self._env(rank, join_generation),
-                                stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        logf.close()
+        proc = self._popen(f"rank{rank}.log", self._env(rank, join_generation))
         self.procs[rank] = proc
         self._write_pids()
+        return proc
+
+    def spawn_shadow(self, shadow_id: int) -> subprocess.Popen:
+        proc = self._popen(f"shadow{shadow_id}.log", self._env(self.first_rank, None, shadow_id))
+        append_event(self.run_dir, {"event": "shadow started", "shadow": shadow_id, "pid": proc.pid,
+                                    "attempt": self.attempt})
         return proc
 
     def spawn_all(self) -> None:
         for rank in range(self.first_rank, self.first_rank + self.recipe.world.nproc):
             self.spawn(rank)
 
+    def start_attempt(self, attempt: int) -> None:
+        """Start every rank (and the shadows) of an attempt; attempt 0 is the run's start, later ones restarts."""
+        if attempt:
+            self._set_attempt(attempt)
+        self.procs = {}
+        self.spawn_all()
+        if self.shadows is not None:
+            self.shadows.stop()
+        count = self.recipe.resilience.shadows
+        if self.recipe.resilience.mode == "inplace" and count:
+            self.shadows = ShadowPool(count=count, spawn=self.spawn_shadow, control=self.control)
+            self.shadows.start()
+
+    # -- what recovery may do (dtk.resilience.recovery.RunView) --
+    def ranks(self) -> list[int]:
+        return sorted(self.procs)
+
+    def dead(self) -> list[int]:
+        return [r for r, p in self.procs.items() if p.poll() not in (None, 0)]
+
+    def replace(self, rank: int, generation: int) -> dict:
+        """A promoted shadow takes `rank`, else a cold process; every decision goes to events.jsonl."""
+        shadow = self.shadows.promote(rank=rank, generation=generation) if self.shadows else None
+        if shadow is not None:
+            self.procs[rank] = shadow.proc
+            self._write_pids()
+            how = {"replacement": "shadow", "shadow": shadow.id, "pid": shadow.proc.pid,
+                   "shadow_started_at": shadow.started_at, "shadow_was_ready": shadow.ready is not None}
+        else:
+            proc = self.spawn(rank, join_generation=generation)
+            why = "resilience.shadows is 0" if not self.recipe.resilience.shadows else "no shadow left"
+            how = {"replacement": "cold", "pid": proc.pid, "why": why}
+        append_event(self.run_dir, {"event": "replacement", "rank": rank, "generation": generation, **how})
+        return how
+
     def _write_pids(self) -> None:
         pids = {str(r): p.pid for r, p in self.procs.items()}
         (self.run_dir / "ranks.json").write_text(json.dumps({"launcher": os.getpid(), "ranks": pids}))
 
     def stop_all(self, grace_s: float = 3.0) -> None:
-        """SIGTERM every rank, SIGKILL what is left after grace_s (0: SIGKILL at once)."""
+        """SIGTERM every rank, SIGKILL what is left after grace_s (0: SIGKILL at once). Shadows stay (see run)."""
         for p in self.procs.values():
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
@@ -205,7 +259,7 @@ class Launcher:
             self.deliver(f)
         live = LiveControl(self.run_dir, self.live_faults)
         self.t_start = time.time()
-        self.spawn_all()
+        self.start_attempt(0)
         progress = ProgressLine(self.run_dir, total=self.recipe.training.steps, enabled=self.show_progress)
         code = 0
         try:
@@ -214,13 +268,18 @@ class Launcher:
         except KeyboardInterrupt:
             self.stop_all()
             code = 130
+            append_event(self.run_dir, {"event": "interrupted", "by": "the user (Ctrl-C)"})
         finally:
             live.close()
+            shadows = self.shadows.summary() if self.shadows else {"count": 0, "promotions": 0, "rss_bytes": []}
+            if self.shadows:
+                self.shadows.stop()
             for line in self.messages:
                 print(line, file=sys.stderr)
             finalize_failures(self)
             write_summary(self.run_dir, wall_seconds=time.time() - self.t_start, failures=self.failures,
-                          exit_code=code)
+                          exit_code=code, shadows=shadows,
+                          resilience={"mode": self.recipe.resilience.mode, **self.hangs.describe()})
         return code
 
     def _finished(self, rank: int) -> bool:
@@ -249,7 +308,7 @@ class Launcher:
                 if code is None:
                     running = True
                 elif code != 0 and not self._finished(rank):
-                    if not self._handle_failure(rank, code):
+                    if not self._handle_failure(sorted(r for r in self.dead() if not self._finished(r))):
                         return 1
                     running = True
                     break  # the set of processes may have changed
@@ -264,41 +323,82 @@ class Launcher:
                     self.procs[rank].kill()  # a hung rank is removed; its death is then handled as any other
             time.sleep(POLL_SECONDS)
 
-    def _handle_failure(self, rank: int, code: int) -> bool:
-        """A rank died. Returns True when the run goes on (recovered), False when it stops."""
+    def _handle_failure(self, ranks: list[int]) -> bool:
+        """Ranks died (usually one). Returns True when the run goes on (recovered), False when it stops."""
         t_detect = time.time()
         r = self.recipe.resilience
-        record = describe_failure(self, rank=rank, code=code, t_detect=t_detect)
+        records = [describe_failure(self, rank=q, code=self.procs[q].returncode, t_detect=t_detect) for q in ranks]
+        what = ", ".join(f"rank {f['rank']} ({f['fault']})" for f in records)
         started = self._started()
-        if r.mode == "none" or len(self.failures) >= r.max_failures or not started:
-            # (before every rank has started, the others are still in their first rendezvous: nothing to keep)
-            self.stop_all()
-            self.failures.append(record)
-            append_event(self.run_dir, {"event": "failure", **record, "action": "stopped"})
-            why = "" if r.mode == "none" else (" (resilience.max_failures reached)" if started else " before every rank started")
-            self.messages.append(f"error: rank {rank} failed ({record['fault']}){why}; the run is stopped. "
-                                 f"Last lines of {self.run_dir / 'logs' / f'rank{rank}.log'}:")
-            self.messages += [f"  {line}" for line in tail(self.run_dir / "logs" / f"rank{rank}.log")]
-            return False
+        self.storm.failed(committed=records[0]["committed"], t_detect=t_detect)
+        stop = None
+        if r.mode == "none":
+            stop = f"error: {what} failed; the run is stopped."
+        elif len(self.failures) + len(records) > r.max_failures:
+            stop = f"error: {what} failed (resilience.max_failures={r.max_failures} reached); the run is stopped."
+        elif not started:
+            # before every rank has started, the others are still in their first rendezvous: nothing to keep
+            stop = f"error: {what} failed before every rank started; the run is stopped."
+        elif verdict := self.storm.verdict(self.failures):
+            stop = f"error: {verdict}."
+        if stop is not None:
+            return self._stop(records, stop)
         if r.mode == "checkpoint":
-            record.update(restart_from_checkpoint(self, t_detect=t_detect))
-            self.failures.append(record)
-            append_event(self.run_dir, {"event": "failure", **record, "action": "restarted from checkpoint"})
-            return True
+            return self._restart(records, t_detect=t_detect, action="restarted from checkpoint")
         try:
-            record.update(recover_in_place(self, failed_rank=rank, t_detect=t_detect))
-            self.hangs.reset()  # the replacement's heartbeats start afresh
+            figures = recover_in_place(self, failed=set(ranks), t_detect=t_detect)
         except RecoveryFailed as e:
-            self.stop_all()
-            self.failures.append(record)
-            append_event(self.run_dir, {"event": "failure", **record, "action": "recovery failed", "why": str(e)})
-            self.messages.append(f"error: rank {rank} failed ({record['fault']}) and in-place recovery failed: {e}")
-            for q in sorted(self.procs):
-                self.messages += [f"  rank {q}: {line}" for line in tail(self.run_dir / "logs" / f"rank{q}.log", 4)]
-            return False
-        self.failures.append(record)
-        append_event(self.run_dir, {"event": "failure", **record, "action": "recovered in place"})
+            append_event(self.run_dir, {"event": "in-place recovery failed", "ranks": ranks, "why": str(e)})
+            if self.recipe.checkpoint.every:
+                return self._restart(records, t_detect=t_detect,
+                                     action=f"in-place recovery failed ({e}); restarted from checkpoint")
+            return self._stop(records, f"error: {what} failed and in-place recovery failed: {e}; the run is "
+                                       f"stopped (set checkpoint.every to fall back on a checkpoint).")
+        for extra in sorted(set(figures["lost_ranks"]) - set(ranks)):  # lost while recovering
+            records.append({"rank": extra, "fault": "failed during recovery", "exit": "-", "attempt": self.attempt,
+                            "generation": self.generation, "detected_at": t_detect, "step": records[0]["step"],
+                            "committed": records[0]["committed"], "fault_time": None})
+        for f in records:
+            f.update(figures)
+            self.failures.append(f)
+            append_event(self.run_dir, {"event": "failure", **f, "action": "recovered in place"})
+        self.hangs.reset()  # the replacement's heartbeats start afresh
+        if self.shadows:
+            for sid in self.shadows.replenish():  # in the background: the run never waits for a shadow
+                log.info("shadow %d started to replace the one promoted", sid)
         return True
+
+    def _restart(self, records: list[dict], *, t_detect: float, action: str) -> bool:
+        restart = restart_from_checkpoint(self, t_detect=t_detect)
+        for f in records:
+            f.update(restart)
+            self.failures.append(f)
+            append_event(self.run_dir, {"event": "failure", **f, "action": action})
+        return True
+
+    def _stop(self, records: list[dict], message: str) -> bool:
+        self.stop_all()
+        for f in records:
+            self.failures.append(f)
+            append_event(self.run_dir, {"event": "failure", **f, "action": "stopped", "why": message})
+        self.messages.append(message)
+        for f in records:
+            log_path = self.run_dir / "logs" / f"rank{f['rank']}.log"
+            self.messages.append(f"  last lines of {log_path}:")
+            self.messages += [f"    {line}" for line in tail(log_path)]
+        return False
+
+
+def _rank_preexec() -> None:
+    """In a rank's process before exec: die with the launcher (Linux), and ignore Ctrl-C (the launcher handles it
+    for the whole run: it stops the ranks and says where the run stands)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
 
 
 def launch(recipe: recipes.Recipe, *, recipe_path: str | None, topology: Topology | None = None,

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dtk.errors import DtkError
 
@@ -105,10 +105,22 @@ class ResilienceConfig(Section):
     a new process takes the failed rank's number and is repaired from a peer (replicated strategies: ddp)."""
     max_failures: int = Field(3, ge=0)
     """Recoveries allowed in one run; the next failure stops it."""
-    heartbeat_timeout_s: float = Field(60.0, gt=0)
-    """A started rank whose step does not advance for this long is hung: it is killed and recovered."""
+    heartbeat_timeout_s: float | None = Field(None, gt=0)
+    """A started rank whose step does not advance for this long is hung: it is killed and recovered. Default (null):
+    it follows the run, 10x the p95 step time and at least 5 s (60 s before 3 steps were seen, and while a rank
+    saves a checkpoint or recovers)."""
+    shadows: int | None = Field(None, ge=0, le=16)
+    """Shadow processes per node for in-place recovery: started with the run, built and warmed up, promoted to a
+    failed rank's number. Default: 1 when mode is inplace, else 0. 0 = a cold replacement process."""
     checksum_every: int = Field(0, ge=0)
     """Verify every N steps that each rank's local state did not change between steps (bit flips); 0 = never."""
+
+
+    @model_validator(mode="after")
+    def _default_shadows(self):
+        if self.shadows is None:
+            object.__setattr__(self, "shadows", 1 if self.mode == "inplace" else 0)
+        return self
 
 
 class CommConfig(Section):
@@ -218,7 +230,14 @@ def read_file(path: str | Path) -> dict:
     if not p.is_file():
         raise DtkError(f"recipe: got {str(path)!r}; no such file")
     try:
-        data = yaml.safe_load(p.read_text())
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DtkError(f"recipe: {str(path)!r} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                       f"{e.start}); accepted: a YAML file") from None
+    except OSError as e:
+        raise DtkError(f"recipe: got {str(path)!r}; cannot read it ({e.strerror})") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""

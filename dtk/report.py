@@ -81,7 +81,7 @@ def percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
-def summarize(run_dir: Path, *, wall_seconds: float, failures: list[dict], exit_code: int) -> dict:
+def summarize(run_dir: Path, *, wall_seconds: float, failures: list[dict], exit_code: int, **extra) -> dict:
     recipe_text = (Path(run_dir) / "recipe.yaml").read_text() if (Path(run_dir) / "recipe.yaml").exists() else ""
     import yaml
 
@@ -109,7 +109,7 @@ def summarize(run_dir: Path, *, wall_seconds: float, failures: list[dict], exit_
     useful = sum(r["step_seconds"] for r in records)
     rate_key = "tokens_per_second" if records and records[0].get("tokens_per_second") else "samples_per_second"
     return {
-        "status": "completed" if exit_code == 0 else "failed",
+        "status": {0: "completed", 130: "interrupted"}.get(exit_code, "failed"),
         "exit_code": exit_code,
         "steps": len(records),
         "world_size": world,
@@ -129,10 +129,11 @@ def summarize(run_dir: Path, *, wall_seconds: float, failures: list[dict], exit_
         },
         "failures": failures,
         "productive_time_ratio": useful / wall_seconds if wall_seconds else 0.0,
+        **extra,
     }
 
 
-def write_summary(run_dir: Path, *, wall_seconds: float, failures: list[dict], exit_code: int) -> dict:
-    summary = summarize(run_dir, wall_seconds=wall_seconds, failures=failures, exit_code=exit_code)
+def write_summary(run_dir: Path, *, wall_seconds: float, failures: list[dict], exit_code: int, **extra) -> dict:
+    summary = summarize(run_dir, wall_seconds=wall_seconds, failures=failures, exit_code=exit_code, **extra)
     (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary

@@ -25,6 +25,10 @@ log = logging.getLogger(__name__)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def step_seed(seed: int, step: int, rank: int) -> int:
+    return (seed * 1_000_003 + step) * 65_537 + rank
+
+
 def peak_memory_bytes(device: torch.device, base_rss: int) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
@@ -99,6 +103,9 @@ class Trainer:
     def train_step(self, step: int) -> dict | None:
         """Run one step; returns its record, or None when a peer failed and the step was not committed."""
         t0 = time.perf_counter()
+        # The RNG (dropout) follows the step, not the process's history: a replacement or restarted rank draws
+        # what the rank it replaces would have drawn.
+        torch.manual_seed(step_seed(self.recipe.training.seed, step, self.rank))
         self.control.beat(step)
         self.injector.at(step, "forward")
         self._verify_state(step)
@@ -135,14 +142,20 @@ class Trainer:
         while step < r.training.steps:
             record = self.train_step(step)
             if record is None:
+                self.control.phase = "recovery"
                 step = inplace.recover_survivor(engine=self.engine, control=self.control, group=self.group,
-                                                committed_step=step, device=self.device)
+                                                committed_step=step, device=self.device,
+                                                on_repair=lambda: self.injector.at(self.injector.step, "recovery"))
+                self.control.phase = "train"
                 continue
             step += 1
+            self.control.step_seconds = record["step_seconds"]
             if self.writer:
                 self.writer.write(record)
             if r.checkpoint.every and step % r.checkpoint.every == 0:
+                self.control.phase = "checkpoint"
                 checkpoint.save(self.engine, step=step, run_dir=self.run_dir, keep=r.checkpoint.keep)
+                self.control.phase = "train"
             if step in r.comm.regroup_at:
                 seconds = Seam.reconfigure(Seam.generation + 1)
                 log.info("planned regroup after step %d: generation %d in %.3fs", step, Seam.generation, seconds)

@@ -1,6 +1,7 @@
 """What one rank runs: connect to the run's store, create the seam as the default group, build data, model and
 engine, then hand over to the trainer. Started by dtk.launch as `python -m dtk.worker` with RANK, WORLD_SIZE,
-LOCAL_RANK, DTK_RUN_DIR and DTK_STORE in its environment (DTK_JOIN_GENERATION for a replacement rank)."""
+LOCAL_RANK, DTK_RUN_DIR and DTK_STORE in its environment; DTK_JOIN_GENERATION for a cold replacement rank, and
+DTK_SHADOW (no rank yet) for a shadow, which builds everything it can, then waits to be promoted."""
 from __future__ import annotations
 
 import time
@@ -18,10 +19,11 @@ from pathlib import Path
 from dtk import recipe as recipes
 from dtk.errors import RUN_FAILED_EXIT, USER_ERROR_EXIT, DtkError
 
+LOG_FORMAT = "%(asctime)s [{who}] %(levelname)s %(name)s: %(message)s"
 
-def _setup_logging(rank: int) -> None:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format=f"%(asctime)s [rank {rank}] %(levelname)s %(name)s: %(message)s")
+
+def _setup_logging(who: str) -> None:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format=LOG_FORMAT.format(who=who), force=True)
 
 
 def _device(recipe, local_rank: int):
@@ -36,13 +38,25 @@ def _device(recipe, local_rank: int):
     return torch.device("cpu")
 
 
+def _become_rank(run_dir: str, rank: int) -> None:
+    """A promoted shadow writes from now on where the rank it replaces wrote: logs/rank<N>.log."""
+    fd = os.open(Path(run_dir) / "logs" / f"rank{rank}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    _setup_logging(f"rank {rank}")
+
+
 def run_rank() -> None:
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    shadow_id = os.environ.get("DTK_SHADOW")
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     run_dir = os.environ["DTK_RUN_DIR"]
     join = os.environ.get("DTK_JOIN_GENERATION")
     attempt = int(os.environ.get("DTK_ATTEMPT", "0"))
-    _setup_logging(rank)
+    _setup_logging(f"shadow {shadow_id}" if shadow_id is not None else f"rank {rank}")
     recipe = recipes.load(Path(run_dir) / "recipe.yaml")
 
     import torch
@@ -51,12 +65,14 @@ def run_rank() -> None:
     from dtk.comm.group import Seam, register
     from dtk.data import build_dataset
     from dtk.models import build_model
-    from dtk.resilience import checkpoint, inplace
+    from dtk.resilience import checkpoint, inplace, shadow
     from dtk.resilience.control import Control, connect
     from dtk.resilience.faults import Fault, Injector
-    from dtk.strategies import BuildContext, build_engine
+    from dtk.strategies import RANK_AGNOSTIC, BuildContext, build_engine
     from dtk.trainer import Trainer
 
+    if shadow_id is not None and recipe.strategy.name.startswith("zero"):
+        import deepspeed  # noqa: F401  (seconds of import a promoted shadow must not pay)
     timeline = {"spawned_at": float(os.environ.get("DTK_SPAWNED_AT", STARTED_AT)), "main_at": STARTED_AT,
                 "imported_at": time.time()}
 
@@ -64,21 +80,51 @@ def run_rank() -> None:
     device = _device(recipe, local_rank)
     use_nccl = device.type == "cuda" and recipe.world.backend != "gloo"
     register(use_nccl=use_nccl)
-    Seam.joining = join is not None
+    Seam.joining = join is not None or shadow_id is not None
     Seam.generation = int(join or 0)
-    control = Control(address=os.environ["DTK_STORE"], rank=rank, attempt=attempt)
+    store = connect(os.environ["DTK_STORE"])
     # every attempt rendezvouses on its own prefix: a restarted rank must not read a dead attempt's addresses
-    dist.init_process_group("dtk", store=dist.PrefixStore(f"a{attempt}/world", connect(os.environ["DTK_STORE"])),
-                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=recipe.world.timeout_s))
+    dist.init_process_group("dtk", store=dist.PrefixStore(f"a{attempt}/world", store), rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=recipe.world.timeout_s))
     group = dist.group.WORLD
     timeline["group_at"] = time.time()
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
     dataset = build_dataset(recipe.data, seed=recipe.training.seed)
-    ctx = BuildContext(model_factory=lambda: build_model(recipe.model, dataset.spec, seed=recipe.training.seed),
-                       recipe=recipe, group=group, device=device)
-    engine = build_engine(recipe.strategy.name, ctx)
+    model = build_model(recipe.model, dataset.spec, seed=recipe.training.seed)
+    prebuilt = [model]  # built before a shadow knows its rank: the model is the same for every rank
+
+    def model_factory():
+        return prebuilt.pop() if prebuilt else build_model(recipe.model, dataset.spec, seed=recipe.training.seed)
+
+    ctx = BuildContext(model_factory=model_factory, recipe=recipe, group=group, device=device)
+    engine = None
+    warm = None
+    if join is not None or shadow_id is not None:
+        x, y = dataset.batch(step=0, rank=rank, micro=0, size=recipe.training.micro_batch)
+        warm = (x.to(device), y.to(device))
+    if shadow_id is not None:
+        if recipe.strategy.name in RANK_AGNOSTIC:
+            # Built and warmed while the others train: the group is local until the rejoin, so the engine's own
+            # start-up collectives (DDP's broadcast, its bucket rebuild) stay on this process.
+            engine = build_engine(recipe.strategy.name, ctx)
+            with Seam.uncounted():
+                engine.match_running_layout(*warm)
+        promotion = shadow.wait_for_promotion(store, attempt=attempt, shadow_id=shadow_id, ready={
+            "pid": os.getpid(), "engine_built": engine is not None, "ready_at": time.time(),
+            "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
+        rank, join = promotion["rank"], str(promotion["generation"])
+        timeline["promoted_at"] = time.time()
+        _become_rank(run_dir, rank)
+        group.assume_rank(rank)
+        logging.getLogger(__name__).warning("shadow %s promoted to rank %d for generation %s", shadow_id, rank, join)
+    if engine is None:
+        engine = build_engine(recipe.strategy.name, ctx)
+        if warm is not None:
+            with Seam.uncounted():
+                engine.match_running_layout(*warm)
     timeline["engine_at"] = time.time()
+    control = Control(address=os.environ["DTK_STORE"], rank=rank, attempt=attempt)
     injector = Injector(rank=rank, store=control.run_store, engine=engine)
     for spec in control.initial_faults():
         injector.add(Fault(**spec))
@@ -89,19 +135,16 @@ def run_rank() -> None:
 
     start = 0
     if join is not None:
-        # Built while the others train on: the group is local until the rejoin, so the engine's own start-up
-        # collectives (DDP's broadcast, its bucket rebuild on the second step) stay on this process.
-        x, y = dataset.batch(step=0, rank=rank, micro=0, size=recipe.training.micro_batch)
-        with Seam.uncounted():
-            for _ in range(2):
-                engine.forward_backward(x.to(device), y.to(device), last_micro=True)
-            engine.discard_step()
-        start, timings = inplace.rejoin(engine=engine, control=control, group=group, generation=int(join), device=device)
-        control.report(int(join), "rejoined", {"engine_id": id(engine), "replacement": True, **timings})
-        logging.getLogger(__name__).warning("joined generation %s at step %d: %s", join, start, timings)
+        control.phase = "recovery"
+        start = inplace.rejoin_as_replacement(engine=engine, control=control, group=group, generation=int(join),
+                                              device=device, ready_at=timeline.get("promoted_at", time.time()),
+                                              on_repair=lambda: injector.at(injector.step, "recovery"))
+        control.phase = "train"
     elif (recipe.checkpoint.resume == "auto" or attempt > 0) and (found := checkpoint.latest(run_dir)):
         start = checkpoint.load(engine, found[1])
         logging.getLogger(__name__).info("resumed from %s at step %d", found[1], start)
+        x, y = dataset.batch(step=start, rank=rank, micro=0, size=recipe.training.micro_batch)
+        engine.match_running_layout(x.to(device), y.to(device))  # every rank restarts: collectives match
     if trainer.writer and join is None:
         trainer.writer.truncate_from(start)  # records past the start are from a run that did not keep them
     timeline.update(loaded_at=time.time(), start_step=start)

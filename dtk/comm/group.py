@@ -227,6 +227,7 @@ class DtkGroup(dist.ProcessGroup):
 
     def __init__(self, *, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, use_nccl: bool):
         super().__init__(rank, size)
+        self._rank = rank
         self._store, self._timeout, self._use_nccl = store, timeout, use_nccl
         self._inner_cpu: dist.ProcessGroup | None = None
         self._inner_cuda: dist.ProcessGroup | None = None
@@ -238,6 +239,16 @@ class DtkGroup(dist.ProcessGroup):
         Seam.groups.append(self)
 
     # -- identity (DeviceMesh and the functional collectives ask for these) --
+    def rank(self) -> int:
+        return self._rank
+
+    def assume_rank(self, rank: int) -> None:
+        """A shadow is built before it knows whose place it takes; on promotion it becomes `rank`. Python callers
+        (dist.get_rank, DDP, DeepSpeed, DeviceMesh) ask rank(); the inner group is made with it at the rejoin."""
+        if not Seam.joining:
+            raise RuntimeError("only a process that has not joined the job yet can take another rank")
+        self._rank = rank
+
     def getBackendName(self) -> str:
         return BACKEND_NAME
 

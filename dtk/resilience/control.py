@@ -43,6 +43,10 @@ class Control:
         self._watch_store = dist.PrefixStore(attempt_prefix(attempt), connect(address))
         self._watch_run = dist.PrefixStore(RUN_PREFIX, connect(address))
         self.step = 0
+        self.phase = "train"
+        self.step_seconds = 0.0
+        """The last committed step's duration: the launcher sizes its hang timeout from it."""
+        """What the main thread is doing, for the launcher's hang watch: train, checkpoint (allowed longer), recovery."""
         self.on_faults = None
         """Called from the watcher thread with newly announced fault specs (a list of dicts) for this rank."""
         self._faults_seen = 0
@@ -63,7 +67,8 @@ class Control:
                 if time.monotonic() - last_beat > BEAT_SECONDS:
                     outstanding = sum(len(g.outstanding) for g in Seam.groups)
                     self._watch_store.set(f"beat/{self.rank}", json.dumps(
-                        {"step": self.step, "t": time.time(), "outstanding": outstanding}))
+                        {"step": self.step, "t": time.time(), "outstanding": outstanding, "phase": self.phase,
+                         "step_s": self.step_seconds}))
                     last_beat = time.monotonic()
                     self._poll_faults()
             except Exception:  # the launcher went away: the run is over, the main thread will find out
@@ -97,6 +102,9 @@ class Control:
         key = f"gen{generation}/plan"
         self.store.wait([key], datetime.timedelta(seconds=600))
         return json.loads(self.store.get(key))
+
+    def generation_failed(self, generation: int) -> bool:
+        return self.store.check([f"gen{generation}/failure"])
 
     def finish(self, step: int) -> None:
         self.store.set(f"done/{self.rank}", str(step))

@@ -28,7 +28,8 @@ FAULTS: dict[str, str] = {
     "slow": "straggler: from that step on the rank's steps take `factor` times longer (default 3)",
     "corrupt": "flip one bit in one tensor of the rank's local state (caught by the state checksum)",
 }
-PHASES = ("forward", "backward", "optimizer")
+PHASES = ("forward", "backward", "optimizer", "recovery")
+"""recovery: while the rank takes part in an in-place recovery, after the regroup and before the state is sent."""
 CORRUPT_EXIT = 75
 """Exit code of a rank that found its local state corrupted."""
 

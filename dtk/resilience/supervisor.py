@@ -1,14 +1,22 @@
-"""The launcher's side of recovery: naming a failure (and finding hung ranks), the checkpoint-restart baseline,
-in-place recovery (notice, replacement, plan), and each failure's figures once the run is over."""
+"""The launcher's side of failures: naming a failure (and finding hung ranks), the checkpoint-restart baseline,
+noticing a storm that recovery cannot keep up with, and each failure's figures once the run is over.
+(The in-place sequence is dtk.resilience.recovery; shadows are dtk.resilience.shadow.)"""
 from __future__ import annotations
 
 import json
 import signal
+import statistics
 import time
+from collections import deque
 
-from dtk.errors import DtkError
-
-REPORT_TIMEOUT_S = 120.0
+HANG_FLOOR_S = 5.0
+"""The shortest automatic hang timeout: a step may stall this long on a loaded machine without being hung."""
+HANG_STEP_MULTIPLE = 10.0
+"""The automatic hang timeout is this many times the p95 step time..."""
+HANG_ALLOWANCE_S = 60.0
+"""...except before a few steps were seen, and while a rank saves a checkpoint or recovers."""
+STORM_FAILURES = 3
+"""Failures in a row with no step committed between them: recovery cannot keep up, the run stops."""
 
 
 def signal_name(code: int) -> str:
@@ -21,76 +29,35 @@ def signal_name(code: int) -> str:
     return f"exit code {code}"
 
 
-class RecoveryFailed(RuntimeError):
-    """In-place recovery could not finish (another rank died, or a report never came); the run stops."""
-
-
-def _wait_keys(launcher, keys: list[str], *, what: str) -> dict[str, dict]:
-    """Wait until every key is set, while watching that the processes involved are alive."""
-    deadline = time.monotonic() + REPORT_TIMEOUT_S
-    got: dict[str, dict] = {}
-    while len(got) < len(keys):
-        for k in keys:
-            if k not in got and launcher.control.check([k]):
-                got[k] = json.loads(launcher.control.get(k))
-        dead = [r for r, p in launcher.procs.items() if p.poll() not in (None, 0)]
-        if dead and len(got) < len(keys):
-            raise RecoveryFailed(f"rank(s) {dead} died during recovery ({what})")
-        if time.monotonic() > deadline:
-            raise RecoveryFailed(f"recovery stalled: no {what} from {sorted(set(keys) - set(got))}")
-        time.sleep(0.01)
-    return got
-
-
-def recover_in_place(launcher, *, failed_rank: int, t_detect: float) -> dict:
-    g = launcher.generation
-    launcher.control.set(f"gen{g}/failure", f"rank {failed_rank} died")
-    t_notice = time.time()
-    # The replacement starts now: its import and engine build overlap the survivors' wind-down.
-    launcher.spawn(failed_rank, join_generation=g + 1)
-    survivors = sorted(r for r in launcher.procs if r != failed_rank)
-    if not survivors:
-        raise DtkError("resilience.mode: 'inplace' needs at least one survivor; world.nproc is 1")
-    reports = _wait_keys(launcher, [f"gen{g}/failed/{r}" for r in survivors], what="failure reports")
-    by_rank = {int(k.rsplit("/", 1)[1]): v for k, v in reports.items()}
-    source = max(by_rank, key=lambda r: (by_rank[r]["step"], -r))
-    step = by_rank[source]["step"]
-    t_plan = time.time()
-    launcher.control.set(f"gen{g + 1}/plan", json.dumps({"source": source, "step": step, "replaced": [failed_rank]}))
-    rejoined = _wait_keys(launcher, [f"gen{g + 1}/rejoined/{r}" for r in sorted(launcher.procs)], what="rejoin reports")
-    launcher.generation = g + 1
-    t_done = time.time()
-    released = [v["released_at"] for v in by_rank.values()]
-    replacement = rejoined[f"gen{g + 1}/rejoined/{failed_rank}"]
-    engines_kept = all(rejoined[f"gen{g + 1}/rejoined/{r}"]["engine_id"] == by_rank[r]["engine_id"] for r in survivors)
-    return {
-        "step": step,
-        "steps_lost": 0,
-        "source_rank": source,
-        "survivors": survivors,
-        "survivor_engines_kept": engines_kept,
-        "released_after_detect_s": max(released) - t_detect,
-        "released_at": max(released),
-        "notice_s": t_notice - t_detect,
-        "plan_s": t_plan - t_detect,
-        "repair_bytes": replacement["repair_bytes"],
-        "regroup_s": max(v["regroup_s"] for v in rejoined.values()),
-        "recovery_s": t_done - t_detect,
-    }
-
-
 class HangWatch:
-    """A started rank whose step has not advanced for `timeout_s` is stalled. Of the stalled ranks, those with no
-    collective outstanding are the hung ones (the others are waiting for them); if all wait, all are hung."""
+    """A started rank whose step has not advanced for the timeout is stalled. Of the stalled ranks, those with no
+    collective outstanding are the hung ones (the others are waiting for them); if all wait, all are hung.
 
-    def __init__(self, *, timeout_s: float):
-        self.timeout_s = timeout_s
+    The timeout is `fixed_s` when the user gives one; otherwise it follows the run: HANG_STEP_MULTIPLE x the p95
+    of the step times the ranks report, at least HANG_FLOOR_S, and HANG_ALLOWANCE_S before 3 steps were seen or
+    while a rank saves a checkpoint or recovers."""
+
+    def __init__(self, *, fixed_s: float | None):
+        self.fixed_s = fixed_s
+        self.step_times: deque[float] = deque(maxlen=200)
         self.reset()
 
     def reset(self) -> None:
         self.seen: dict[int, tuple[int, float]] = {}
         self.hung: dict[int, float] = {}
         self._next_poll = 0.0
+
+    def timeout_s(self, phases: set[str] = frozenset()) -> float:
+        if self.fixed_s is not None:
+            return self.fixed_s
+        if len(self.step_times) < 3 or phases & {"checkpoint", "recovery"}:
+            return HANG_ALLOWANCE_S
+        p95 = statistics.quantiles(self.step_times, n=20)[-1] if len(self.step_times) > 1 else self.step_times[0]
+        return max(HANG_FLOOR_S, HANG_STEP_MULTIPLE * p95)
+
+    def describe(self) -> dict:
+        return {"heartbeat_timeout_s": self.timeout_s(), "mode": "fixed" if self.fixed_s is not None else "auto",
+                "step_times_seen": len(self.step_times)}
 
     def check(self, control, ranks: list[int]) -> list[int]:
         now = time.monotonic()
@@ -104,13 +71,40 @@ class HangWatch:
                 step, since = self.seen.get(r, (-1, now))
                 if beats[r]["step"] != step:
                     self.seen[r] = (beats[r]["step"], now)
-        stalled = [r for r in beats if r not in self.hung and now - self.seen[r][1] > self.timeout_s]
+                    if beats[r].get("step_s"):
+                        self.step_times.append(beats[r]["step_s"])
+        timeout = self.timeout_s({b.get("phase", "train") for b in beats.values()})
+        stalled = [r for r in beats if r not in self.hung and now - self.seen[r][1] > timeout]
         if len(stalled) < len(beats):
             return []  # someone still makes progress: a slow step, not a hang
         culprits = [r for r in stalled if beats[r]["outstanding"] == 0] or stalled
         for r in culprits:
             self.hung[r] = time.time()
         return culprits
+
+
+class StormWatch:
+    """Failures that come faster than recovery makes progress: STORM_FAILURES in a row with no step committed."""
+
+    def __init__(self):
+        self.streak: list[dict] = []
+
+    def failed(self, *, committed: int, t_detect: float) -> None:
+        if self.streak and committed > self.streak[-1]["committed"]:
+            self.streak = []
+        self.streak.append({"committed": committed, "t": t_detect})
+
+    def verdict(self, failures: list[dict]) -> str | None:
+        """One line when the run should stop, else None."""
+        if len(self.streak) < STORM_FAILURES:
+            return None
+        span = self.streak[-1]["t"] - self.streak[0]["t"]
+        every = span / (len(self.streak) - 1)
+        took = [f["recovery_s"] for f in failures if f.get("recovery_s")]
+        recovery = f"a recovery takes {statistics.median(took):.1f}s" if took else "no recovery finished"
+        return (f"failures come faster than recovery makes progress: {len(self.streak)} in a row {every:.1f}s "
+                f"apart, {recovery}, and the last step that advanced is {self.streak[-1]['committed']}; "
+                f"the run is stopped")
 
 
 def describe_failure(launcher, *, rank: int, code: int, t_detect: float) -> dict:
@@ -122,7 +116,7 @@ def describe_failure(launcher, *, rank: int, code: int, t_detect: float) -> dict
     fired = [f for f in fired if f["kind"] != "slow"]
     committed = len([r for r in read_jsonl(launcher.run_dir / "metrics.jsonl") if "loss" in r])
     record = {"rank": rank, "exit": signal_name(code), "attempt": launcher.attempt, "generation": launcher.generation,
-              "detected_at": t_detect, "step": committed, "fault_time": None}
+              "detected_at": t_detect, "step": committed, "committed": committed, "fault_time": None}
     if fired:
         f = fired[-1]
         launcher.attributed.add(f["id"])
@@ -146,9 +140,7 @@ def restart_from_checkpoint(launcher, *, t_detect: float) -> dict:
     launcher.stop_all(grace_s=0.0)  # a failed attempt's ranks have nothing to save: SIGKILL, as a crash would
     t_stopped = time.time()
     found = checkpoint.latest(launcher.run_dir)
-    launcher._set_attempt(launcher.attempt + 1)
-    launcher.procs = {}
-    launcher.spawn_all()
+    launcher.start_attempt(launcher.attempt + 1)
     return {"recovery": "checkpoint restart", "stopped_at": t_stopped, "restart_attempt": launcher.attempt,
             "checkpoint_step": found[0] if found else 0}
 
@@ -196,9 +188,16 @@ def finalize_failures(launcher) -> None:
                     "replay": (max(r["time"] for r in replayed) - ready) if replayed else 0.0,
                 }
         elif "recovery_s" in f:
-            f["breakdown_s"] = {"detect": f["detect_s"] or 0.0, "release": max(0.0, f["released_after_detect_s"]),
-                                "plan": f["plan_s"] - max(0.0, f["released_after_detect_s"]),
-                                "regroup_and_repair": f["recovery_s"] - f["plan_s"]}
+            t0 = f["detected_at"]
+            released = min(max(f["released_at"], t0), f["plan_at"])
+            f["breakdown_s"] = {
+                "detect": f["detect_s"] or 0.0,
+                "release": released - t0,
+                "plan": f["plan_at"] - released,
+                "regroup": f["regrouped_at"] - f["plan_at"],
+                "state_transfer": f["repaired_at"] - f["regrouped_at"],
+                "redo": back[0]["time"] - f["repaired_at"] if back else 0.0,
+            }
         append_event(launcher.run_dir, {"event": "failure figures", **f})
         with open(launcher.run_dir / "metrics.jsonl", "a") as out:  # rank 0 has stopped writing by now
             out.write(json.dumps({"event": "failure", **f}) + "\n")

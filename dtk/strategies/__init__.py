@@ -32,5 +32,10 @@ STRATEGIES: dict[str, tuple[Callable[[BuildContext], Engine], str]] = {
 }
 
 
+RANK_AGNOSTIC = frozenset({"ddp"})
+"""Strategies whose engine does not depend on the rank it is built for (every rank holds everything), so a shadow
+can build and warm it before it knows whose place it will take. Sharded engines are built on promotion."""
+
+
 def build_engine(name: str, ctx: BuildContext) -> Engine:
     return STRATEGIES[name][0](ctx)

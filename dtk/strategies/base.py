@@ -42,6 +42,11 @@ class Engine(Protocol):
     def after_checkpoint_load(self, state: dict) -> None:
         """Push a loaded checkpoint_state() back into the engine."""
 
+    def match_running_layout(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """Give a freshly built engine the communication layout a running one has after its first step, without
+        changing its state, so that it reduces exactly as the engine it replaces (same buckets, same order).
+        Every rank calls it together on a restart; a joining rank calls it on its local group."""
+
 
 def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
@@ -96,6 +101,20 @@ def load_torch_checkpoint_state(module: nn.Module, optimizer: torch.optim.Optimi
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+@contextlib.contextmanager
+def state_untouched(module: nn.Module):
+    """Run a throw-away pass: buffers (e.g. BatchNorm statistics) and the RNG come back as they were."""
+    buffers = [b.detach().clone() for b in module.buffers()]
+    rng = torch.get_rng_state()
+    try:
+        yield
+    finally:
+        torch.set_rng_state(rng)
+        with torch.no_grad():
+            for b, saved in zip(module.buffers(), buffers):
+                b.copy_(saved)
 
 
 def autocast(device: torch.device, precision: str):

@@ -8,7 +8,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dtk.strategies.base import (BuildContext, autocast, build_torch_optimizer, clip_and_step,
                                  load_torch_checkpoint_state, loss_fn, materialize_optimizer_state,
-                                 optimizer_tensors, torch_checkpoint_state)
+                                 optimizer_tensors, state_untouched, torch_checkpoint_state)
 
 
 class DDPEngine:
@@ -41,6 +41,19 @@ class DDPEngine:
         materialize_optimizer_state(self.optimizer)
         params = list(self.module.parameters())
         return [p.data for p in params] + optimizer_tensors(self.optimizer, params)
+
+    def match_running_layout(self, x, y) -> None:
+        # DDP starts with buckets in reverse parameter order and rebuilds them from the order gradients became
+        # ready in its first backward. A bucket layout decides where each gradient sits in the all-reduce buffer,
+        # hence the order in which ring all-reduce adds the ranks' values: on 3+ ranks another layout gives other
+        # sums. So record the order once, rebuild now, and drop the pass.
+        if self.module._has_rebuilt_buckets:
+            return
+        with state_untouched(self.module):
+            self.forward_backward(x, y, last_micro=True)
+            self.discard_step()
+        if self.module.reducer._rebuild_buckets():
+            self.module._has_rebuilt_buckets = True
 
     def checkpoint_state(self) -> dict:
         return torch_checkpoint_state(self.module, self.optimizer)

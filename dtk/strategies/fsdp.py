@@ -48,6 +48,9 @@ class FSDPEngine:
         params = list(self.module.parameters())
         return [_local(p.data) for p in params] + [_local(t) for t in optimizer_tensors(self.optimizer, params)]
 
+    def match_running_layout(self, x, y) -> None:
+        pass  # its collectives do not depend on what the first step saw
+
     def checkpoint_state(self) -> dict:
         return torch_checkpoint_state(self.module, self.optimizer)
 

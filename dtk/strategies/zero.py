@@ -78,6 +78,9 @@ class ZeroEngine:
         materialize_optimizer_state(self.optimizer.optimizer)
         return low + master + optimizer_tensors(self.optimizer.optimizer, master)
 
+    def match_running_layout(self, x, y) -> None:
+        pass  # its collectives do not depend on what the first step saw
+
     def checkpoint_state(self) -> dict:
         # ZeRO partitions are rank-specific; each rank saves and loads its own keys (same world size to resume)
         return {f"rank{self.rank}": {str(i): t for i, t in enumerate(self.local_state())}}
