@@ -259,6 +259,7 @@ class Launcher:
             self.deliver(f)
         live = LiveControl(self.run_dir, self.live_faults)
         self.t_start = time.time()
+        self.t_train: float | None = None
         self.start_attempt(0)
         progress = ProgressLine(self.run_dir, total=self.recipe.training.steps, enabled=self.show_progress)
         code = 0
@@ -297,7 +298,9 @@ class Launcher:
             if time.monotonic() >= next_progress:  # the ranks need the CPU more than the progress line does
                 progress.update()
                 next_progress = time.monotonic() + 0.2
-            now = time.time() - self.t_start
+            if self.t_train is None and self._started():
+                self.t_train = time.time()  # random faults are drawn in training time, not start-up time
+            now = time.time() - (self.t_train or float("inf"))
             while next_random < len(self.fault_schedule) and self.fault_schedule[next_random][0] <= now:
                 _, rank = self.fault_schedule[next_random]
                 self.deliver(faults.Fault(kind=self.schedule_kind, rank=rank, id=f"mtbf{next_random}"))

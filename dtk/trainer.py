@@ -145,7 +145,7 @@ class Trainer:
                 self.control.phase = "recovery"
                 step = inplace.recover_survivor(engine=self.engine, control=self.control, group=self.group,
                                                 committed_step=step, device=self.device,
-                                                on_repair=lambda: self.injector.at(self.injector.step, "recovery"))
+                                                on_repair=lambda step: self.injector.at(step, "recovery"))
                 self.control.phase = "train"
                 continue
             step += 1

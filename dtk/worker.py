@@ -138,7 +138,7 @@ def run_rank() -> None:
         control.phase = "recovery"
         start = inplace.rejoin_as_replacement(engine=engine, control=control, group=group, generation=int(join),
                                               device=device, ready_at=timeline.get("promoted_at", time.time()),
-                                              on_repair=lambda: injector.at(injector.step, "recovery"))
+                                              on_repair=lambda step: injector.at(step, "recovery"))
         control.phase = "train"
     elif (recipe.checkpoint.resume == "auto" or attempt > 0) and (found := checkpoint.latest(run_dir)):
         start = checkpoint.load(engine, found[1])

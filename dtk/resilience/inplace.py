@@ -45,7 +45,7 @@ def repair_from(source: int, tensors: list[torch.Tensor], group: dist.ProcessGro
 
 
 def rejoin(*, engine, control, group, generation: int, device: torch.device, committed_step: int, valid: bool,
-           on_repair: Callable[[], None] | None = None, report: dict | None = None) -> int:
+           on_repair: Callable[[int], None] | None = None, report: dict | None = None) -> int:
     """Join `generation` as the launcher's plan says and repair the state; returns the step to run next.
     `valid`: this rank's state is that of `committed_step` (a survivor), not a replacement's blank one."""
     while True:
@@ -59,7 +59,7 @@ def rejoin(*, engine, control, group, generation: int, device: torch.device, com
         regroup_s = Seam.reconfigure(generation)
         t_regrouped = time.time()
         if on_repair is not None:
-            on_repair()  # chaos tests aim faults here: a rank lost while the state is sent
+            on_repair(plan["step"])  # chaos tests aim faults here: a rank lost while the state is sent
         step_t = torch.tensor([plan["step"]], dtype=torch.int64, device=device)
         nbytes = repair_from(plan["source"], engine.local_state() + [step_t], group)
         if Seam.failure is None:
@@ -77,13 +77,13 @@ def rejoin(*, engine, control, group, generation: int, device: torch.device, com
 
 
 def rejoin_as_replacement(*, engine, control, group, generation: int, device: torch.device, ready_at: float,
-                          on_repair: Callable[[], None] | None = None) -> int:
+                          on_repair: Callable[[int], None] | None = None) -> int:
     return rejoin(engine=engine, control=control, group=group, generation=generation, device=device,
                   committed_step=-1, valid=False, on_repair=on_repair, report={"ready_at": ready_at})
 
 
 def recover_survivor(*, engine, control, group, committed_step: int, device: torch.device,
-                     on_repair: Callable[[], None] | None = None) -> int:
+                     on_repair: Callable[[int], None] | None = None) -> int:
     """A peer failed in this generation: drop the step, say where this rank stands, join the next generation."""
     generation = Seam.generation
     reason = Seam.take_failure()

@@ -1,0 +1,106 @@
+"""In-place recovery with shadow ranks on 3 DDP ranks (an odd count: sums depend on their order there): every failure
+kind, two ranks in one step, failures during the recovery, shadows running out, and the checkpoint fallback. Each
+run ends with the losses of the run without failures, compared with ==."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import RECIPES, TINY, losses, read_jsonl, run_dtk, train
+
+pytestmark = [pytest.mark.dist]
+STEPS = 22
+THREE = ["world.nproc=3", f"training.steps={STEPS}", "training.seed=11"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return losses(train(tmp_path_factory.mktemp("ref") / "run", *THREE))
+
+
+def inject(run_dir: Path, *args: str, timeout: float = 420):
+    p = run_dtk("inject-failure", RECIPES / "quickstart.yaml", *TINY, *THREE, "resilience.mode=inplace",
+                f"output.dir={run_dir}", *args, "--no-progress", timeout=timeout)
+    return p, (json.loads((run_dir / "summary.json").read_text()) if (run_dir / "summary.json").exists() else {})
+
+
+def pids_started(run_dir: Path) -> dict[int, int]:
+    """pid of each rank's first process, from the launcher's events and the run's start."""
+    events = read_jsonl(run_dir / "events.jsonl")
+    return {e["shadow"]: (e["pid"], e["time"]) for e in events if e["event"] == "shadow started"}
+
+
+@pytest.mark.timeout(480)
+def test_every_failure_kind_recovers_in_place_from_shadows(tmp_path, reference):
+    run_dir = tmp_path / "chaos"
+    p, summary = inject(run_dir, "resilience.shadows=2", "resilience.max_failures=10",
+                        "--fault", "kill:rank=1,step=4", "--fault", "segv:rank=2,step=8",
+                        "--fault", "hang:rank=0,step=12,phase=backward", "--fault", "corrupt:rank=1,step=16")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert losses(run_dir) == reference
+    failures = summary["failures"]
+    assert [(f["fault"], f["rank"], f["step"]) for f in failures] == [
+        ("kill", 1, 4), ("segv", 2, 8), ("hang", 0, 12), ("corrupt", 1, 16)]
+    shadows = pids_started(run_dir)
+    for f in failures:
+        assert f["steps_lost"] == 0 and f["downtime_s"] > 0
+        [by] = f["replacements"]
+        # the promoted process is a shadow, started before the failure happened
+        assert by["replacement"] == "shadow", by
+        assert shadows[by["shadow"]][0] == by["pid"] and by["shadow_started_at"] < (f["fault_time"] or f["detected_at"])
+        assert f["survivor_engines_kept"] is True
+        assert set(f["breakdown_s"]) == {"detect", "release", "plan", "regroup", "state_transfer", "redo"}
+    hang = failures[2]
+    assert hang["detected_by"] == "heartbeat" and failures[3]["detected_by"] == "checksum"
+    assert summary["shadows"]["promotions"] == 4 and summary["shadows"]["count"] == 2
+    assert summary["resilience"]["mode"] == "auto"  # the hang timeout followed the run
+    assert 5.0 <= summary["resilience"]["heartbeat_timeout_s"] <= 60.0
+    # survivors kept their processes: a rank's pid changed only where that rank failed
+    start_pids = {int(r): pid for r, pid in json.loads((run_dir / "ranks.json").read_text())["ranks"].items()}
+    assert set(start_pids) == {0, 1, 2}
+    assert "in place" in p.stdout and "shadow" in p.stdout
+
+
+@pytest.mark.timeout(480)
+def test_two_ranks_in_one_step_a_failure_during_recovery_and_no_shadow_left(tmp_path, reference):
+    run_dir = tmp_path / "storm"
+    p, summary = inject(run_dir, "resilience.shadows=1", "resilience.max_failures=10",
+                        "--fault", "kill:rank=1,step=5", "--fault", "kill:rank=2,step=5",
+                        # the next recovery (step 11) loses rank 2's replacement and rank 0 while the state is sent
+                        "--fault", "kill:rank=2,step=11", "--fault", "kill:rank=2,step=11,phase=recovery",
+                        "--fault", "kill:rank=0,step=11,phase=recovery")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert losses(run_dir) == reference
+    failures = summary["failures"]
+    first = [f for f in failures if f["step"] == 5]
+    assert sorted(f["rank"] for f in first) == [1, 2]
+    kinds = sorted(r["replacement"] for r in first[0]["replacements"])
+    assert kinds == ["cold", "shadow"]  # one shadow for two lost ranks: the other is a cold start, and it says so
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert any(e["event"] == "replacement" and e.get("why") == "no shadow left" for e in events)
+    second = [f for f in failures if f["step"] == 11]
+    assert second and second[0]["rounds"] >= 2  # a failure during the recovery: one more generation
+    assert {0, 2} <= set(second[0]["lost_ranks"])
+    assert all(f["steps_lost"] == 0 for f in failures)
+
+
+@pytest.mark.timeout(420)
+def test_no_survivor_falls_back_on_the_checkpoint_or_stops_with_one_line(tmp_path):
+    two = ["world.nproc=2", "training.steps=14", "--fault", "kill:rank=0,step=8", "--fault", "kill:rank=1,step=8"]
+    ref = losses(train(tmp_path / "ref", "training.steps=14", "checkpoint.every=5"))
+    p = run_dtk("inject-failure", RECIPES / "quickstart.yaml", *TINY, "resilience.mode=inplace", "checkpoint.every=5",
+                f"output.dir={tmp_path / 'fallback'}", *two, "--no-progress", timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert losses(tmp_path / "fallback") == ref
+    events = read_jsonl(tmp_path / "fallback" / "events.jsonl")
+    assert any(e["event"] == "in-place recovery failed" for e in events)
+    summary = json.loads((tmp_path / "fallback" / "summary.json").read_text())
+    assert {f["recovery"] for f in summary["failures"]} == {"checkpoint restart"}
+
+    p = run_dtk("inject-failure", RECIPES / "quickstart.yaml", *TINY, "resilience.mode=inplace",
+                f"output.dir={tmp_path / 'stop'}", *two, "--no-progress", timeout=300)
+    assert p.returncode == 1
+    [line] = [x for x in p.stderr.splitlines() if x.startswith("error:")]
+    assert "in-place recovery failed" in line and "checkpoint.every" in line
