@@ -260,6 +260,7 @@ class Launcher:
         live = LiveControl(self.run_dir, self.live_faults)
         self.t_start = time.time()
         self.t_train: float | None = None
+        self._resumed_at: float | None = None
         self.start_attempt(0)
         progress = ProgressLine(self.run_dir, total=self.recipe.training.steps, enabled=self.show_progress)
         code = 0
@@ -298,12 +299,19 @@ class Launcher:
             if time.monotonic() >= next_progress:  # the ranks need the CPU more than the progress line does
                 progress.update()
                 next_progress = time.monotonic() + 0.2
+            if self._started() and self._resumed_at is None:
+                self._resumed_at = time.time()  # training (re)started: random faults may land again
             if self.t_train is None and self._started():
                 self.t_train = time.time()  # random faults are drawn in training time, not start-up time
             now = time.time() - (self.t_train or float("inf"))
             while next_random < len(self.fault_schedule) and self.fault_schedule[next_random][0] <= now:
-                _, rank = self.fault_schedule[next_random]
-                self.deliver(faults.Fault(kind=self.schedule_kind, rank=rank, id=f"mtbf{next_random}"))
+                due, rank = self.fault_schedule[next_random]
+                if self._resumed_at is None or self.t_train + due < self._resumed_at:
+                    # it came while the run was recovering: there was no running rank for it to hit
+                    append_event(self.run_dir, {"event": "random fault dropped", "rank": rank, "due_s": due,
+                                                "why": "it came during a recovery"})
+                else:
+                    self.deliver(faults.Fault(kind=self.schedule_kind, rank=rank, id=f"mtbf{next_random}"))
                 next_random += 1
             running = False
             for rank, proc in list(self.procs.items()):
@@ -366,6 +374,7 @@ class Launcher:
             self.failures.append(f)
             append_event(self.run_dir, {"event": "failure", **f, "action": "recovered in place"})
         self.hangs.reset()  # the replacement's heartbeats start afresh
+        self._resumed_at = time.time()
         if self.shadows:
             for sid in self.shadows.replenish():  # in the background: the run never waits for a shadow
                 log.info("shadow %d started to replace the one promoted", sid)
@@ -373,6 +382,7 @@ class Launcher:
 
     def _restart(self, records: list[dict], *, t_detect: float, action: str) -> bool:
         restart = restart_from_checkpoint(self, t_detect=t_detect)
+        self._resumed_at = None  # set again once every rank has started
         for f in records:
             f.update(restart)
             self.failures.append(f)

@@ -15,7 +15,7 @@ HANG_STEP_MULTIPLE = 10.0
 """The automatic hang timeout is this many times the p95 step time..."""
 HANG_ALLOWANCE_S = 60.0
 """...except before a few steps were seen, and while a rank saves a checkpoint or recovers."""
-STORM_FAILURES = 3
+STORM_FAILURES = 5
 """Failures in a row with no step committed between them: recovery cannot keep up, the run stops."""
 
 

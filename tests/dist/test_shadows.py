@@ -104,3 +104,33 @@ def test_no_survivor_falls_back_on_the_checkpoint_or_stops_with_one_line(tmp_pat
     assert p.returncode == 1
     [line] = [x for x in p.stderr.splitlines() if x.startswith("error:")]
     assert "in-place recovery failed" in line and "checkpoint.every" in line
+
+
+@pytest.mark.timeout(600)
+def test_a_storm_of_random_failures_in_place_keeps_the_losses(tmp_path):
+    # a rank lost with every other holder of its state in one recovery falls back on the checkpoint
+    storm = ["world.nproc=3", "training.steps=2500", "resilience.shadows=3", "resilience.max_failures=200",
+             "training.seed=5", "checkpoint.every=100"]
+    ref = losses(train(tmp_path / "ref", *storm))
+    run_dir = tmp_path / "storm"
+    p = run_dtk("inject-failure", RECIPES / "quickstart.yaml", *TINY, *storm, "resilience.mode=inplace",
+                f"output.dir={run_dir}", "--mtbf", "1500ms", "--seed", "3", "--no-progress", timeout=540)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert len(summary["failures"]) >= 20
+    in_place = [f for f in summary["failures"] if f.get("recovery") != "checkpoint restart"]
+    assert len(in_place) >= len(summary["failures"]) // 2 and all(f["steps_lost"] == 0 for f in in_place)
+    assert losses(run_dir) == ref
+
+
+@pytest.mark.timeout(420)
+def test_failures_faster_than_a_restart_stop_the_run_with_one_line(tmp_path):
+    run_dir = tmp_path / "hopeless"
+    p = run_dtk("inject-failure", RECIPES / "quickstart.yaml", *TINY, "training.steps=3000", "checkpoint.every=5",
+                "resilience.mode=checkpoint", "resilience.max_failures=100", f"output.dir={run_dir}",
+                "--mtbf", "300ms", "--seed", "1", "--no-progress", timeout=400)
+    assert p.returncode == 1
+    [line] = [x for x in p.stderr.splitlines() if x.startswith("error:")]
+    assert "failures come faster than recovery makes progress" in line and "the last step that advanced is" in line
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert len(summary["failures"]) < 10  # it stopped on the storm, not on resilience.max_failures
