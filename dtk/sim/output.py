@@ -24,7 +24,7 @@ def _duration(seconds: float | None) -> str:
 
 def productivity_table(rows: list[dict]) -> Table:
     methods = list(rows[0]["methods"])
-    table = Table(title="productive time ratio (simulated; first-order estimate in brackets)")
+    table = Table(title="productive time, simulated (first order)")
     for col in ("GPUs", "nodes", "MTTF", "failures", *methods):
         table.add_column(col, justify="right", no_wrap=True)
     for r in rows:
@@ -37,7 +37,7 @@ def productivity_table(rows: list[dict]) -> Table:
 
 def needed_table(rows: list[dict], target: float) -> Table:
     methods = list(rows[0]["methods"])
-    table = Table(title=f"recovery time needed for {_pct(target)} (per failure; the knob in brackets)")
+    table = Table(title=f"recovery time needed for {_pct(target)} (knob)")
     for col in ("GPUs", *methods):
         table.add_column(col, justify="right", no_wrap=True)
     for r in rows:
@@ -116,6 +116,11 @@ def congestion_png(path: str | Path, rows: list[dict], *, title: str) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ax.plot(gains, np.arange(1, len(gains) + 1) / len(gains), drawstyle="steps-post")
     ax.set_xscale("log")
+    from matplotlib.ticker import FuncFormatter
+
+    for axis in (ax.xaxis.set_major_formatter, ax.xaxis.set_minor_formatter):
+        axis(FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.set_xlim(gains[0], max(gains[-1], gains[0] * 1.1))
     ax.set_xlabel("algbw gain, adaptive / native")
     ax.set_ylabel("fraction of draws with at most this gain")
     ax.set_title(title, fontsize=9)
