@@ -91,6 +91,10 @@ def productivity(
         if name not in prod.METHODS:
             raise DtkError(f"--method: got {name!r}; accepted: {', '.join(prod.METHODS)}")
     every = _interval(checkpoint_every_s)
+    expected = max(sizes) / gpus_per_node * failures_per_1000_node_days / 1000 * days
+    if expected > 1e7:  # each failure holds a few arrays of floats; more takes minutes and gigabytes
+        raise DtkError(f"--gpus/--days: got {max(sizes):,} GPUs over {days:g} days, about {expected:,.0f} failures; "
+                       f"accepted: up to 10,000,000 failures per simulation")
     for value, flag in ((checkpoint_save_s, "--checkpoint-save-s"), (restart_s, "--restart-s"),
                         (restart_per_doubling_s, "--restart-per-doubling-s"), (replica_stall_s, "--replica-stall-s"),
                         (replica_rejoin_s, "--replica-rejoin-s")):

@@ -15,6 +15,8 @@ def _pct(x: float) -> str:
 def _duration(seconds: float | None) -> str:
     if seconds is None:
         return "unreachable"
+    if seconds == float("inf"):
+        return "any (no failure)"
     if seconds >= 3600:
         return f"{seconds / 3600:.2f} h"
     if seconds >= 60:
@@ -46,10 +48,21 @@ def needed_table(rows: list[dict], target: float) -> Table:
     return table
 
 
+def _finite(x):
+    """Strict JSON has no infinity: a recovery time needed with no failure in the period is written as null."""
+    if isinstance(x, float) and not np.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
 def write_json(path: str | Path, payload: dict) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(payload, indent=2) + "\n")
+    path.write_text(json.dumps(_finite(payload), indent=2, allow_nan=False) + "\n")
     return path
 
 

@@ -96,6 +96,8 @@ class Outcome:
 def daly_interval(*, save_s: float, mttf_s: float, restart_s: float = 0.0) -> float:
     """Daly's (2006) higher-order optimal compute time between checkpoints; Young's sqrt(2 delta M) to first order."""
     m = mttf_s + restart_s
+    if save_s <= 0:
+        return 0.0  # saving is free: checkpoint continuously, nothing is ever lost
     if save_s >= 2 * m:
         return m
     x = save_s / (2 * m)
@@ -114,7 +116,7 @@ def first_order(method: Method, cluster: Cluster) -> float:
     m = cluster.mttf_s
     if isinstance(method, Checkpoint):
         tau = method.interval_at(cluster)
-        value = 1 - method.save_s / tau - (tau / 2 + method.restart_at(cluster)) / m
+        value = 1 - (method.save_s / tau if tau > 0 else 0.0) - (tau / 2 + method.restart_at(cluster)) / m
     elif isinstance(method, InPlace):
         value = 1 - method.recovery_s / m
     else:
@@ -160,9 +162,12 @@ def simulate(method: Method, cluster: Cluster, *, seed: int = 0, arrivals: np.nd
         segments = _running_segments(arrivals, _stall_ends(arrivals, restart), period)
         cycle = tau + method.save_s
         # a failure throws away everything since the last completed save; the period's end is not a failure
-        kept = np.floor(segments / cycle) * tau
-        tail = segments[-1]
-        kept[-1] = math.floor(tail / cycle) * tau + min(tail % cycle, tau)
+        if cycle > 0:
+            kept = np.floor(segments / cycle) * tau
+            tail = segments[-1]
+            kept[-1] = math.floor(tail / cycle) * tau + min(tail % cycle, tau)
+        else:
+            kept = segments
         productive = float(kept.sum())
         details.update(checkpoint_every_s=tau, restart_s=restart, save_s=method.save_s)
     elif isinstance(method, InPlace):
@@ -201,8 +206,11 @@ def method_name(method: Method) -> str:
 
 def recovery_needed(method: Method, cluster: Cluster, *, target: float, seed: int = 0) -> float | None:
     """The largest per-failure recovery time (see `with_recovery`) for which the simulation reaches
-    `target`, on the same failures; None when even an instant recovery does not (e.g. checkpoint saves cost more)."""
+    `target`, on the same failures; None when even an instant recovery does not (e.g. checkpoint saves cost more),
+    infinity when the period has no failure at all."""
     arrivals = failure_times(cluster, seed=seed)
+    if len(arrivals) == 0:
+        return math.inf
 
     def ratio(seconds: float) -> float:
         return simulate(with_recovery(method, seconds), cluster, arrivals=arrivals).productive_time_ratio

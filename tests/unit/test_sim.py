@@ -204,3 +204,18 @@ def test_congestion_cli(monkeypatch, capsys, tmp_path):
     assert (tmp_path / "c.png").exists()
     code, _, err = run_cli(monkeypatch, capsys, "simulate", "congestion", "--topology", "torus")
     assert code == 2 and "--topology: got 'torus'; accepted: star, fat-tree, rails" in err
+
+
+def test_edge_cases_small_job_and_free_saves(monkeypatch, capsys, tmp_path):
+    tiny = prod.Cluster(gpus=8, days=1)  # expected 0.0065 failures: none with this seed
+    assert prod.simulate(prod.Checkpoint(), tiny, seed=0).failures == 0
+    assert prod.recovery_needed(prod.InPlace(), tiny, target=0.9) == float("inf")
+    free = prod.simulate(prod.Checkpoint(save_s=0, restart_s=60), prod.Cluster(gpus=16_384), seed=0)
+    assert free.productive_time_ratio == pytest.approx(1 - 60 / prod.Cluster(gpus=16_384).mttf_s, abs=0.01)
+    code, out, err = run_cli(monkeypatch, capsys, "simulate", "productivity", "--gpus", "8", "--days", "1",
+                             "--target", "0.9", "--json", str(tmp_path / "p.json"))
+    assert code == 0, err
+    assert "any (no failure)" in out
+    assert json.loads((tmp_path / "p.json").read_text())["results"][0]["methods"]["inplace"]["recovery_needed_s"] is None
+    code, _, err = run_cli(monkeypatch, capsys, "simulate", "productivity", "--gpus", "5000000", "--days", "10000")
+    assert code == 2 and "about 40,625,000 failures" in err
