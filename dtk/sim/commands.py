@@ -67,7 +67,7 @@ def productivity(
     checkpoint_save_s: Annotated[float, typer.Option(help="Blocking save time per checkpoint.")] = 30.0,
     restart_s: Annotated[float, typer.Option(help="checkpoint: detect + restart + load per failure, before redoing lost work.")] = 600.0,
     restart_per_doubling_s: Annotated[float, typer.Option(help="checkpoint: restart seconds added per doubling of the node count.")] = 0.0,
-    recovery_s: Annotated[Optional[float], typer.Option(help="inplace: stall per failure [default: 6.78, dtk's measured DDP figure].")] = None,
+    recovery_s: Annotated[Optional[float], typer.Option(help="inplace: stall per failure; 6.78 (dtk's measured DDP in-place downtime) when neither this nor --calibrate is given.")] = None,
     calibrate: Annotated[Optional[str], typer.Option(metavar="RUN_DIR", help="inplace: the median downtime of this run's in-place recoveries.")] = None,
     replicas: Annotated[int, typer.Option(help="replica: data-parallel replica groups.")] = 12,
     replica_stall_s: Annotated[float, typer.Option(help="replica: full stall per failure.")] = 180.0,
@@ -157,7 +157,7 @@ def congestion(
     seed: Annotated[int, typer.Option(help="Seed of the draws.")] = 0,
     testbed: Annotated[bool, typer.Option(help="Also predict the test bed's cases (`dtk bench comm --testbed`).")] = True,
     testbed_hosts: Annotated[int, typer.Option(help="Hosts on the test bed.")] = 4,
-    testbed_link_gbps: Annotated[Optional[float], typer.Option(help="Unshaped test bed link as gloo sees it [default: from FACTS.md, ~4.5].")] = None,
+    testbed_link_gbps: Annotated[Optional[float], typer.Option(help="Unshaped test bed link as gloo sees it, Gbit/s; 4.77 (from FACTS.md) when not given.")] = None,
     json_out: Annotated[Optional[str], typer.Option("--json", metavar="FILE", help="Write inputs and results here (and a PNG next to it).")] = None,
     png: Annotated[Optional[str], typer.Option(metavar="FILE", help="Write the gain distribution plot here.")] = None,
 ) -> None:
