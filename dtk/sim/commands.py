@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import shlex
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -69,6 +70,7 @@ def productivity(
     restart_per_doubling_s: Annotated[float, typer.Option(help="checkpoint: restart seconds added per doubling of the node count.")] = 0.0,
     recovery_s: Annotated[Optional[float], typer.Option(help="inplace: stall per failure; 6.78 (dtk's measured DDP in-place downtime) when neither this nor --calibrate is given.")] = None,
     calibrate: Annotated[Optional[str], typer.Option(metavar="RUN_DIR", help="inplace: the median downtime of this run's in-place recoveries.")] = None,
+    inplace_fallback: Annotated[float, typer.Option(help="inplace: fraction of failures it cannot repair; they cost a checkpoint restart (checkpoint flags), and the job then also saves checkpoints.")] = 0.0,
     replicas: Annotated[int, typer.Option(help="replica: data-parallel replica groups.")] = 12,
     replica_stall_s: Annotated[float, typer.Option(help="replica: full stall per failure.")] = 180.0,
     replica_rejoin_s: Annotated[float, typer.Option(help="replica: time the failed replica stays offline after the stall.")] = 420.0,
@@ -99,6 +101,8 @@ def productivity(
                         (restart_per_doubling_s, "--restart-per-doubling-s"), (replica_stall_s, "--replica-stall-s"),
                         (replica_rejoin_s, "--replica-rejoin-s")):
         _positive(value, flag, zero_ok=True)
+    if not 0 <= inplace_fallback <= 1:
+        raise DtkError(f"--inplace-fallback: got {inplace_fallback:g}; accepted: a fraction from 0 to 1")
     if replicas < 2:
         raise DtkError(f"--replicas: got {replicas}; accepted: an integer >= 2")
     if target is not None and not 0 < target < 1:
@@ -114,9 +118,10 @@ def productivity(
     recovery = _positive(recovery_s if recovery_s is not None else prod.InPlace().recovery_s, "--recovery-s", zero_ok=True)
     json_path, png_path = _outputs(json_out, png)
 
-    built = {"checkpoint": prod.Checkpoint(every_s=every, save_s=checkpoint_save_s, restart_s=restart_s,
-                                           restart_per_doubling_s=restart_per_doubling_s),
-             "inplace": prod.InPlace(recovery_s=recovery),
+    checkpoint = prod.Checkpoint(every_s=every, save_s=checkpoint_save_s, restart_s=restart_s,
+                                 restart_per_doubling_s=restart_per_doubling_s)
+    built = {"checkpoint": checkpoint,
+             "inplace": prod.InPlace(recovery_s=recovery, fallback=inplace_fallback, checkpoint=checkpoint),
              "replica": prod.Replica(replicas=replicas, stall_s=replica_stall_s, rejoin_s=replica_rejoin_s)}
     methods = {name: built[name] for name in names}
     rows = prod.study(gpus=sizes, methods=methods, gpus_per_node=gpus_per_node, days=days, seed=seed,
@@ -129,7 +134,7 @@ def productivity(
     if json_path is not None:
         inputs = {"gpus": sizes, "gpus_per_node": gpus_per_node, "days": days, "seed": seed, "target": target,
                   "failures_per_1000_node_days": failures_per_1000_node_days, "inplace_recovery_source": source,
-                  "methods": {name: {"what": prod.METHODS[name], **vars(m)} for name, m in methods.items()},
+                  "methods": {name: {"what": prod.METHODS[name], **asdict(m)} for name, m in methods.items()},
                   "command": _command()}
         output.write_json(json_path, {"inputs": inputs, "results": rows})
     if png_path is not None:

@@ -66,9 +66,19 @@ class Checkpoint:
 
 @dataclass(frozen=True, kw_only=True)
 class InPlace:
-    """dtk's in-place recovery: the whole job stalls `recovery_s` per failure (detect to the redone step), no work lost."""
+    """dtk's in-place recovery: the whole job stalls `recovery_s` per failure (detect to the redone step), no work lost.
+    A `fallback` fraction of failures it cannot repair (e.g. two in one parity group) costs a checkpoint restart
+    instead, and then the job also saves checkpoints as `checkpoint` says."""
 
     recovery_s: float = 6.78
+    fallback: float = 0.0
+    checkpoint: Checkpoint = Checkpoint()
+
+    def interval_at(self, cluster: Cluster) -> float:
+        """Checkpoint interval for the fallback: given, or Young/Daly at the rate of the failures that need it."""
+        ckpt = self.checkpoint
+        return ckpt.every_s if ckpt.every_s is not None else daly_interval(
+            save_s=ckpt.save_s, mttf_s=cluster.mttf_s / self.fallback, restart_s=ckpt.restart_at(cluster))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,17 +128,41 @@ def first_order(method: Method, cluster: Cluster) -> float:
         tau = method.interval_at(cluster)
         value = 1 - (method.save_s / tau if tau > 0 else 0.0) - (tau / 2 + method.restart_at(cluster)) / m
     elif isinstance(method, InPlace):
-        value = 1 - method.recovery_s / m
+        p, value = method.fallback, 1 - method.recovery_s / m
+        if p > 0:
+            tau, ckpt = method.interval_at(cluster), method.checkpoint
+            value = 1 - (1 - p) * method.recovery_s / m - (ckpt.save_s / tau if tau > 0 else 0.0) - p * (
+                tau / 2 + ckpt.restart_at(cluster)) / m
     else:
         value = 1 - (method.stall_s + method.rejoin_s / method.replicas) / m
     return max(0.0, value)
 
 
-def _stall_ends(arrivals: np.ndarray, stall_s: float) -> np.ndarray:
-    """When each failure's stall ends, stalls served one after another: F_n = max(F_{n-1}, A_n) + S, unrolled with
-    a running maximum so it needs no Python loop."""
-    k = np.arange(len(arrivals))
-    return stall_s * (k + 1) + np.maximum.accumulate(arrivals - stall_s * k)
+def _stall_ends(arrivals: np.ndarray, stalls: float | np.ndarray) -> np.ndarray:
+    """When each failure's stall ends, stalls served one after another: F_n = max(F_{n-1}, A_n) + S_n, unrolled to
+    F_n = C_n + max_k<=n (A_k - C_k-1) with C the running sum of stalls, so it needs no Python loop."""
+    s = np.broadcast_to(np.asarray(stalls, dtype=float), arrivals.shape)
+    total = np.cumsum(s)
+    return total + np.maximum.accumulate(arrivals - (total - s))
+
+
+def _kept_with_checkpoints(segments: np.ndarray, rollback: np.ndarray, *, tau: float, save_s: float) -> float:
+    """Work kept when a save completes after every `tau` of work and each failure flagged in `rollback` throws away
+    what came after the last completed save. Segment j ends at failure j (the last at the period's end, which loses
+    nothing); run time adds up across failures that do not roll back, so the save cycle goes on through them."""
+    cycle = tau + save_s
+    if cycle <= 0:  # saving is free and continuous
+        return float(segments.sum())
+    epoch = np.concatenate(([0], np.cumsum(rollback)))  # which stretch between rollbacks each segment is in
+    run = np.bincount(epoch, weights=segments)
+    kept = np.floor(run / cycle) * tau
+    kept[-1] = math.floor(run[-1] / cycle) * tau + min(run[-1] % cycle, tau)
+    return float(kept.sum())
+
+
+def _fallbacks(count: int, fraction: float, seed: int) -> np.ndarray:
+    """Which failures in-place recovery cannot repair: each independently with probability `fraction`."""
+    return np.random.default_rng([seed, 1]).random(count) < fraction
 
 
 def _running_segments(arrivals: np.ndarray, ends: np.ndarray, period: float) -> np.ndarray:
@@ -160,19 +194,20 @@ def simulate(method: Method, cluster: Cluster, *, seed: int = 0, arrivals: np.nd
     if isinstance(method, Checkpoint):
         restart, tau = method.restart_at(cluster), method.interval_at(cluster)
         segments = _running_segments(arrivals, _stall_ends(arrivals, restart), period)
-        cycle = tau + method.save_s
-        # a failure throws away everything since the last completed save; the period's end is not a failure
-        if cycle > 0:
-            kept = np.floor(segments / cycle) * tau
-            tail = segments[-1]
-            kept[-1] = math.floor(tail / cycle) * tau + min(tail % cycle, tau)
-        else:
-            kept = segments
-        productive = float(kept.sum())
+        productive = _kept_with_checkpoints(segments, np.ones(len(arrivals), dtype=bool), tau=tau,
+                                            save_s=method.save_s)
         details.update(checkpoint_every_s=tau, restart_s=restart, save_s=method.save_s)
     elif isinstance(method, InPlace):
-        productive = float(_running_segments(arrivals, _stall_ends(arrivals, method.recovery_s), period).sum())
-        details.update(recovery_s=method.recovery_s)
+        rollback = _fallbacks(len(arrivals), method.fallback, seed)
+        stalls = np.where(rollback, method.checkpoint.restart_at(cluster), method.recovery_s)
+        segments = _running_segments(arrivals, _stall_ends(arrivals, stalls), period)
+        details.update(recovery_s=method.recovery_s, fallback=method.fallback, fallback_failures=int(rollback.sum()))
+        if method.fallback > 0:
+            tau = method.interval_at(cluster)
+            productive = _kept_with_checkpoints(segments, rollback, tau=tau, save_s=method.checkpoint.save_s)
+            details.update(checkpoint_every_s=tau)
+        else:  # nothing to fall back on: no checkpoints, nothing ever lost
+            productive = float(segments.sum())
     else:
         ends = _stall_ends(arrivals, method.stall_s)
         running = float(_running_segments(arrivals, ends, period).sum())
@@ -213,7 +248,7 @@ def recovery_needed(method: Method, cluster: Cluster, *, target: float, seed: in
         return math.inf
 
     def ratio(seconds: float) -> float:
-        return simulate(with_recovery(method, seconds), cluster, arrivals=arrivals).productive_time_ratio
+        return simulate(with_recovery(method, seconds), cluster, seed=seed, arrivals=arrivals).productive_time_ratio
 
     if ratio(0.0) < target:
         return None
@@ -237,7 +272,7 @@ def study(*, gpus: list[int], methods: dict[str, Method], gpus_per_node: int, fa
         arrivals = failure_times(cluster, seed=seed)
         row = {"gpus": g, "nodes": cluster.nodes, "mttf_h": cluster.mttf_s / 3600, "methods": {}}
         for name, method in methods.items():
-            outcome = simulate(method, cluster, arrivals=arrivals)
+            outcome = simulate(method, cluster, seed=seed, arrivals=arrivals)
             entry = {"productive_time_ratio": outcome.productive_time_ratio, "failures": outcome.failures,
                      "first_order": outcome.first_order, **outcome.details}
             if target is not None:

@@ -219,3 +219,17 @@ def test_edge_cases_small_job_and_free_saves(monkeypatch, capsys, tmp_path):
     assert json.loads((tmp_path / "p.json").read_text())["results"][0]["methods"]["inplace"]["recovery_needed_s"] is None
     code, _, err = run_cli(monkeypatch, capsys, "simulate", "productivity", "--gpus", "5000000", "--days", "10000")
     assert code == 2 and "about 40,625,000 failures" in err
+
+
+def test_inplace_fallback_to_checkpoint_restart():
+    c = prod.Cluster(gpus=131_072)
+    clean = prod.simulate(prod.InPlace(recovery_s=5), c, seed=0)
+    assert clean.details["fallback_failures"] == 0
+    ckpt = prod.Checkpoint(save_s=10, restart_s=120)
+    some = prod.simulate(prod.InPlace(recovery_s=5, fallback=0.1, checkpoint=ckpt), c, seed=0)
+    assert some.details["fallback_failures"] == pytest.approx(0.1 * some.failures, rel=0.2)
+    assert some.productive_time_ratio < clean.productive_time_ratio
+    assert some.productive_time_ratio == pytest.approx(some.first_order, abs=0.01)
+    # every failure falling back is exactly the checkpoint method on the same failures
+    every = prod.simulate(prod.InPlace(recovery_s=5, fallback=1.0, checkpoint=ckpt), c, seed=0)
+    assert every.productive_time_ratio == pytest.approx(prod.simulate(ckpt, c, seed=0).productive_time_ratio)
