@@ -13,11 +13,13 @@ from rich.table import Table
 
 from dtk import recipe as recipes
 from dtk.errors import RUN_FAILED_EXIT, USER_ERROR_EXIT, DtkError
+from dtk.sim.commands import simulate_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="dtk: one recipe, trained under DDP, FSDP or DeepSpeed ZeRO, with resilience and comm layers.")
 bench_app = typer.Typer(no_args_is_help=True, help="Measure dtk against its peers.")
 app.add_typer(bench_app, name="bench")
+app.add_typer(simulate_app, name="simulate")
 # wide enough for the report tables when output goes to a file or a pipe
 out = Console(width=None if sys.stdout.isatty() else 140)
 
