@@ -134,17 +134,22 @@ def compare(
     out_dir: Annotated[Optional[str], typer.Option("--out", help="The compare folder; default runs/compare-<recipe>-<time>.")] = None,
     assert_parity: Annotated[Optional[float], typer.Option(min=0.0, metavar="TOL", help="Exit 1 when a variant's loss differs from the first's by more than TOL (relative) at any step.")] = None,
     progress: Annotated[bool, typer.Option(help="Show each run's progress line.")] = True,
+    fault: Annotated[Optional[list[str]], typer.Option(
+        help="Inject this fault into every variant (the same schedule for each): KIND:rank=R,step=S; repeatable.")] = None,
 ) -> None:
     """Run a recipe under several strategies or overrides, one after another; table + compare.json/.md/.png."""
     import shlex
 
     from dtk import compare as cmp
+    from dtk.resilience import faults as fl
 
     variants = cmp.resolve(recipe, overrides or [], strategies=strategies, variant_flags=variant or [])
+    injected = [fl.parse(spec, world=min(v.recipe.world.nproc for v in variants), fault_id=f"f{i}")
+                for i, spec in enumerate(fault or [])]
     folder = cmp.prepare_out_dir(out_dir, recipe)
     command = "dtk " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     result = cmp.run(recipe_path=recipe, variants=variants, out_dir=folder, command=command, console=out,
-                     parity_tolerance=assert_parity, show_progress=progress)
+                     parity_tolerance=assert_parity, show_progress=progress, inject=injected)
     cmp.write(result)
     out.print(cmp.table(result))
     out.print(cmp.verdict_line(result), highlight=False)

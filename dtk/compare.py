@@ -153,6 +153,8 @@ class Comparison:
     command: str
     variants: list[dict] = field(default_factory=list)
     parity_tolerance: float | None = None
+    faults: list[str] = field(default_factory=list)
+    """The fault schedule every variant got (dtk compare --fault)."""
 
     @property
     def done(self) -> list[dict]:
@@ -213,17 +215,22 @@ def _record(v: Variant, *, code: int, run_dir: Path, params: int, world: int) ->
         "comm_formula": comm_formula,
         "comm_by_kind": summary.get("comm", {}).get("by_kind", {}),
         "final_loss": summary.get("final_loss"),
+        "failures": len(summary.get("failures", [])),
+        "downtime_s": sum(f["downtime_s"] for f in summary.get("failures", []) if f.get("downtime_s") is not None),
+        "steps_lost": sum(f.get("steps_lost") or 0 for f in summary.get("failures", [])),
+        "productive_time_ratio": summary.get("productive_time_ratio"),
         "losses": summary.get("losses", []),
         "max_rel_loss_diff": None,
     }
 
 
 def run(*, recipe_path: str, variants: list[Variant], out_dir: Path, command: str, console: Console,
-        parity_tolerance: float | None = None, show_progress: bool = True) -> Comparison:
+        parity_tolerance: float | None = None, show_progress: bool = True, inject: list | None = None) -> Comparison:
     """Run the variants one after another (they must not share the CPU), each in its own run folder."""
     from dtk.launch import launch
 
-    comparison = Comparison(out_dir=out_dir, command=command, parity_tolerance=parity_tolerance)
+    comparison = Comparison(out_dir=out_dir, command=command, parity_tolerance=parity_tolerance,
+                            faults=[f.spec() for f in inject or []])
     counts: dict[str, int] = {}
     for i, v in enumerate(variants, 1):
         key = json.dumps([v.recipe.model.model_dump(mode="json"), v.recipe.data.model_dump(mode="json")])
@@ -232,7 +239,10 @@ def run(*, recipe_path: str, variants: list[Variant], out_dir: Path, command: st
         v.recipe.output.dir = str(out_dir / v.name)
         console.print(f"[bold]\\[{i}/{len(variants)}] {v.name}[/]: {' '.join(v.overrides) or '(the recipe as is)'}",
                       highlight=False)
-        code, run_dir = launch(v.recipe, recipe_path=recipe_path, show_progress=show_progress)
+        if inject and any(f.kind == "corrupt" for f in inject) and not v.recipe.resilience.checksum_every:
+            v.recipe.resilience.checksum_every = 1  # a corruption must be caught, never trained on
+        code, run_dir = launch(v.recipe, recipe_path=recipe_path, show_progress=show_progress,
+                               inject=list(inject or []))
         record = _record(v, code=code, run_dir=run_dir, params=counts[key], world=v.recipe.world.nproc)
         if code != 0:
             console.print(f"[red]failed[/]: {v.name} (exit {code}); run folder {run_dir}", highlight=False)
@@ -277,7 +287,9 @@ def rows(comparison: Comparison, *, sep: str = "\n") -> list[list[str]]:
             f"{_bytes(v['comm_bytes_per_step_analytic'])}{sep}{v['comm_formula']}",
             f"{v['final_loss']:.4f}" if ok and v["final_loss"] is not None else "—",
             "—" if diff is None else "ref" if v is comparison.variants[0] else f"{diff:.1e}" if diff else "0",
-        ])
+        ] + ([f"{v['downtime_s']:.2f}" if ok else "—", str(v["steps_lost"]) if ok else "—",
+              f"{v['productive_time_ratio']:.3f}" if ok and v["productive_time_ratio"] is not None else "—"]
+             if comparison.faults else []))
     return out
 
 
@@ -285,7 +297,8 @@ def headers(comparison: Comparison, *, sep: str = "\n") -> list[str]:
     first = comparison.variants[0]["variant"]
     return ["variant", f"throughput{sep}{_unit(comparison)}", f"step ms{sep}p50 / p95", f"peak memory{sep}measured",
             f"model states{sep}analytic", f"comm / step{sep}measured", f"comm / step{sep}analytic", f"final{sep}loss",
-            f"max rel. loss{sep}diff vs {first}"]
+            f"max rel. loss{sep}diff vs {first}"] + (
+        [f"downtime{sep}s", f"steps{sep}lost", f"productive{sep}time ratio"] if comparison.faults else [])
 
 
 def notes(comparison: Comparison) -> list[str]:
@@ -305,6 +318,10 @@ def notes(comparison: Comparison) -> list[str]:
         "Comm: wire bytes per rank per step (size × bus factor) measured at dtk's process-group seam, against the "
         "ZeRO paper's volume (2Ψ or 3Ψ, × (N−1)/N) in bytes of the communicated dtype.",
     ]
+    if comparison.faults:
+        lines.append(f"Every variant got the same faults: {', '.join(comparison.faults)}. Downtime: from each fault to "
+                     "the completion, after recovery, of the step it interrupted (summed); productive time ratio: "
+                     "useful step time / wall time.")
     if any(v["strategy"] in ("zero1", "zero2") for v in vs):
         lines.append("DeepSpeed ZeRO-1/2 here all-reduce the gradients and then all-gather the updated parameters: "
                      "about 3Ψ·(N−1)/N on the wire, where the paper counts 2Ψ·(N−1)/N (reduce-scatter + all-gather).")
@@ -361,6 +378,12 @@ def plot(comparison: Comparison, path: Path) -> None:
     x = list(range(len(vs)))
     ax_tp.bar(x, [v["throughput"] or 0 for v in vs], color="tab:blue")
     ax_tp.set(title=f"throughput ({_unit(comparison)}, after warm-up)", xticks=x, xticklabels=names)
+    if comparison.faults:  # what the same faults cost each variant, written on its bar
+        for i, v in enumerate(vs):
+            if v["status"] == "completed":
+                ax_tp.annotate(f"downtime {v['downtime_s']:.2f}s\nsteps lost {v['steps_lost']}\n"
+                               f"productive {v['productive_time_ratio']:.2f}", (i, 0), xytext=(0, 8),
+                               textcoords="offset points", ha="center", fontsize=8, color="white")
     for ax, key, title in ((ax_mem, "peak_memory_bytes", "peak memory, busiest rank (MiB)"),
                            (ax_comm, "comm_bytes_per_step", "comm bytes / step / rank (MiB)")):
         analytic = "model_state_bytes_analytic" if key == "peak_memory_bytes" else "comm_bytes_per_step_analytic"
@@ -377,7 +400,7 @@ def plot(comparison: Comparison, path: Path) -> None:
 
 def write(comparison: Comparison) -> None:
     out = comparison.out_dir
-    doc = {"command": comparison.command, "parity_tolerance": comparison.parity_tolerance,
+    doc = {"command": comparison.command, "parity_tolerance": comparison.parity_tolerance, "faults": comparison.faults,
            "verdict": comparison.verdict(), "notes": notes(comparison), "variants": comparison.variants}
     (out / "compare.json").write_text(json.dumps(doc, indent=2))
     (out / "compare.md").write_text(markdown(comparison))

@@ -119,3 +119,22 @@ def test_compare_refuses_a_folder_that_holds_something(tmp_path):
     (tmp_path / "cmp" / "old.txt").write_text("x")
     p = _compare(tmp_path / "cmp", "--strategies", "ddp,zero3", timeout=60)
     assert p.returncode == 2 and "--out" in p.stderr and "not empty" in p.stderr, _explain(p)
+
+
+@pytest.mark.timeout(600)
+def test_compare_with_a_fault_sets_recovery_layers_side_by_side(tmp_path):
+    out = tmp_path / "cmp"
+    p = _compare(out, *TINY, "training.steps=14", "--variant", "ckpt:resilience.mode=checkpoint,checkpoint.every=5",
+                 "--variant", "inplace:resilience.mode=inplace", "--fault", "kill:rank=1,step=12",
+                 "--assert-parity", "0")
+    assert p.returncode == 0, _explain(p)
+    doc = json.loads((out / "compare.json").read_text())
+    assert doc["faults"] == ["kill:rank=1,step=12"]
+    ckpt, inplace = doc["variants"]
+    assert (ckpt["failures"], inplace["failures"]) == (1, 1)
+    assert (ckpt["steps_lost"], inplace["steps_lost"]) == (2, 0)
+    assert ckpt["downtime_s"] > 0 and inplace["downtime_s"] > 0
+    assert 0 < inplace["productive_time_ratio"] < 1 and inplace["max_rel_loss_diff"] == 0
+    for header in ("downtime", "steps", "productive"):
+        assert header in p.stdout and header in (out / "compare.md").read_text()
+    assert (out / "compare.png").stat().st_size > 0
