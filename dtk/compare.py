@@ -306,8 +306,9 @@ def notes(comparison: Comparison) -> list[str]:
         "ZeRO paper's volume (2Ψ or 3Ψ, × (N−1)/N) in bytes of the communicated dtype.",
     ]
     if any(v["strategy"] in ("zero1", "zero2") for v in vs):
-        lines.append("DeepSpeed ZeRO-1/2 here all-reduce the gradients and then all-gather the updated parameters: "
-                     "about 3Ψ·(N−1)/N on the wire, where the paper counts 2Ψ·(N−1)/N (reduce-scatter + all-gather).")
+        lines.append("DeepSpeed ZeRO-1/2 reduce each gradient partition to its owner and all-gather the updated "
+                     "parameters (use_multi_rank_bucket_allreduce: false); a reduce counts S·(N−1)/N, as a "
+                     "reduce-scatter.")
     if any(v["strategy"] == "fsdp" and "reshard_after_forward" in " ".join(v["overrides"]) for v in vs):
         lines.append("fsdp with reshard_after_forward=false is counted as ZeRO-2: parameters whole from forward "
                      "through backward, gradients and optimizer states sharded.")

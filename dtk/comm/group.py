@@ -29,6 +29,7 @@ def bus_factor(kind: str, n: int) -> float:
         "all_reduce": 2 * (n - 1) / n,
         "all_gather": (n - 1) / n,
         "reduce_scatter": (n - 1) / n,
+        "reduce": (n - 1) / n,  # the ring's volume: a reduce is a reduce-scatter whose chunks all land on the root
         "all_to_all": (n - 1) / n,
         "gather": (n - 1) / n,
         "scatter": (n - 1) / n,
