@@ -186,11 +186,13 @@ class SeamWork(dist._Work):
     def wait(self, timeout=None) -> bool:
         inner = self._inner
         while not self._done:
+            running = not inner.is_completed()
             try:
                 inner.wait(WAIT_SLICE)
             except RuntimeError as e:
-                if not inner.is_completed() and "timed out" in str(e):
-                    continue  # still running: look at the release flag again
+                # c10d's slice timeout; the op may complete just after it, so its outcome is read on the next turn
+                if running and "Operation timed out!" in str(e):
+                    continue
                 self._failed(e)
             except Exception as e:  # noqa: BLE001 -- whatever the inner backend raises, the strategy must not see it
                 self._failed(e)
