@@ -1,7 +1,7 @@
 """dtk's cost against plain code: the same GPT and batches trained by `dtk train` and by hand-written torchrun
 scripts (benchmarks/plain/), alternating dtk/plain per strategy; steps/s and the ratio dtk/plain.
 
-    python benchmarks/overhead.py [--reps 2] [--steps 20] [--strategies ddp,fsdp,zero2]
+    python benchmarks/overhead.py [--reps 2] [--steps 20] [--strategies ddp,fsdp,zero1,zero2,zero3]
 """
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(PLAIN))
 import workload  # noqa: E402  (the plain scripts' model, data and optimizer settings: dtk gets the same)
 
-SCRIPTS = {"ddp": "ddp.py", "fsdp": "fsdp2.py", "zero2": "zero2.py", "zero3": "zero2.py"}
+SCRIPTS = {"ddp": "ddp.py", "fsdp": "fsdp2.py", "zero1": "zero2.py", "zero2": "zero2.py", "zero3": "zero2.py"}
+STAGE = {"zero1": 1, "zero3": 3}  # the plain DeepSpeed script runs every stage
 NPROC = 2
 
 
@@ -63,8 +64,8 @@ def run_plain(strategy: str, *, steps: int, warmup: int, workdir: Path, backend:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={NPROC}",
            str(PLAIN / SCRIPTS[strategy]), f"--steps={steps}", f"--warmup={warmup}", f"--backend={backend}",
            f"--out={out}"]
-    if strategy == "zero3":
-        cmd.append("--stage=3")
+    if strategy in STAGE:
+        cmd.append(f"--stage={STAGE[strategy]}")
     _check(subprocess.run(cmd, capture_output=True, text=True, env=env(), cwd=ROOT), f"plain {strategy} ({backend})")
     result = json.loads(out.read_text())
     return {"steps_per_s": result["steps_per_s"], "final_loss": result["final_loss"]}
@@ -107,7 +108,7 @@ def print_table(title: str, rows: list[tuple[str, dict]], a: str, b: str) -> Non
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--strategies", default="ddp,fsdp,zero2")
+    p.add_argument("--strategies", default="ddp,fsdp,zero1,zero2,zero3")
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=4)

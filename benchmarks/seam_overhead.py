@@ -1,7 +1,7 @@
 """What dtk's seam (the wrapper process group) costs: all-reduce algbw per size through the seam vs native gloo, and
-steps/s of the plain DDP and ZeRO-3 scripts on `--backend dtk` vs `--backend gloo`, in one run.
+steps/s of the plain scripts (every strategy) on `--backend dtk` vs `--backend gloo`, in one run.
 
-    python benchmarks/seam_overhead.py [--reps 2] [--steps 20] [--max-bytes 16M]
+    python benchmarks/seam_overhead.py [--reps 2] [--steps 20] [--max-bytes 16M] [--strategies ddp,fsdp,...]
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ def main() -> None:
     p.add_argument("--min-bytes", default="4K")
     p.add_argument("--max-bytes", default="16M")
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--strategies", default="ddp,fsdp,zero1,zero2,zero3")
     p.add_argument("--out", default=str(RESULTS / "seam_overhead.json"))
     args = p.parse_args()
     t0 = time.time()
@@ -37,7 +38,7 @@ def main() -> None:
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="dtk-seam-") as tmp:
-        for strategy in ("ddp", "zero3"):
+        for strategy in args.strategies.split(","):
             print(f"{strategy}:", flush=True)
             kw = {"steps": args.steps, "warmup": args.warmup, "workdir": Path(tmp)}
             res = alternate({"seam": lambda: run_plain(strategy, backend="dtk", **kw),

@@ -96,8 +96,11 @@ def _state_bytes(recipe: recipes.Recipe) -> tuple[int, int, int]:
     """Bytes per parameter of (parameters, gradients, optimizer states) as the strategy keeps them."""
     opt = recipe.optimizer
     moments = 8 if opt.name == "adamw" else 4 if opt.momentum else 0
-    if recipe.training.precision == "bf16" and recipe.strategy.name.startswith("zero"):
-        return 2, 2, 4 + moments  # DeepSpeed: 16-bit params and grads, fp32 master copy + moments (the paper's K=12)
+    if recipe.strategy.name.startswith("zero"):
+        # DeepSpeed: an fp32 master copy + moments (the paper's K=12) whatever the model's dtype; params and grads
+        # in the model's dtype (fp32 training keeps two fp32 copies of the parameters: the model's and the master)
+        width = 2 if recipe.training.precision == "bf16" else 4
+        return width, width, 4 + moments
     return 4, 4, moments  # torch DDP/FSDP keep fp32 params and grads; bf16 is a compute copy (autocast / mp policy)
 
 
@@ -165,7 +168,7 @@ class Comparison:
         if not done:
             return {}
         return {"fastest": max(done, key=lambda v: v["throughput"])["variant"],
-                "leanest_memory": min(done, key=lambda v: v["peak_memory_bytes"])["variant"],
+                "leanest_memory": min(done, key=_memory)["variant"],
                 "least_traffic": min(done, key=lambda v: v["comm_bytes_per_step"])["variant"]}
 
     def parity_failures(self) -> list[dict]:
@@ -173,6 +176,11 @@ class Comparison:
         if tol is None:
             return []
         return [v for v in self.variants[1:] if v["max_rel_loss_diff"] is not None and v["max_rel_loss_diff"] > tol]
+
+
+def _memory(v: dict) -> float:
+    """What the memory verdict compares: the measured model states (CPU RSS mostly holds libraries), else the peak."""
+    return v["model_state_bytes"] if v.get("model_state_bytes") is not None else v["peak_memory_bytes"]
 
 
 def prepare_out_dir(out: str | None, recipe_path: str) -> Path:
@@ -202,12 +210,15 @@ def _record(v: Variant, *, code: int, run_dir: Path, params: int, world: int) ->
         "world_size": world,
         "precision": v.recipe.training.precision,
         "optimizer": v.recipe.optimizer.name,
+        "grad_accum": v.recipe.training.grad_accum,
         "throughput": summary.get("throughput"),
         "throughput_unit": summary.get("throughput_unit"),
         "step_time_p50": summary.get("step_time_p50"),
         "step_time_p95": summary.get("step_time_p95"),
         "warmup_steps_excluded": summary.get("warmup_steps_excluded"),
         "peak_memory_bytes": summary.get("peak_memory_bytes"),
+        "model_state_bytes": summary.get("model_state_bytes"),
+        "model_state": summary.get("model_state"),
         "model_state_bytes_analytic": states,
         "model_state_formula": states_formula,
         "comm_bytes_per_step": summary.get("comm", {}).get("bytes_per_step"),
@@ -282,6 +293,7 @@ def rows(comparison: Comparison, *, sep: str = "\n") -> list[list[str]]:
             f"{v['throughput']:,.0f}" if ok else "—",
             f"{_ms(v['step_time_p50'])} / {_ms(v['step_time_p95'])}" if ok else "—",
             _bytes(v["peak_memory_bytes"]) if ok else "—",
+            _bytes(v.get("model_state_bytes")) if ok else "—",
             f"{_bytes(v['model_state_bytes_analytic'])}{sep}{v['model_state_formula']}",
             _bytes(v["comm_bytes_per_step"]) if ok else "—",
             f"{_bytes(v['comm_bytes_per_step_analytic'])}{sep}{v['comm_formula']}",
@@ -296,8 +308,8 @@ def rows(comparison: Comparison, *, sep: str = "\n") -> list[list[str]]:
 def headers(comparison: Comparison, *, sep: str = "\n") -> list[str]:
     first = comparison.variants[0]["variant"]
     return ["variant", f"throughput{sep}{_unit(comparison)}", f"step ms{sep}p50 / p95", f"peak memory{sep}measured",
-            f"model states{sep}analytic", f"comm / step{sep}measured", f"comm / step{sep}analytic", f"final{sep}loss",
-            f"max rel. loss{sep}diff vs {first}"] + (
+            f"model states{sep}measured", f"model states{sep}analytic", f"comm / step{sep}measured",
+            f"comm / step{sep}analytic", f"final{sep}loss", f"max rel. loss{sep}diff vs {first}"] + (
         [f"downtime{sep}s", f"steps{sep}lost", f"productive{sep}time ratio"] if comparison.faults else [])
 
 
@@ -313,8 +325,10 @@ def notes(comparison: Comparison) -> list[str]:
         f"Throughput and step times leave out each run's first {', '.join(map(str, warmups)) or 0} warm-up steps.",
         "Peak memory: measured on the busiest rank (CPU: process RSS peak minus RSS before the model was built, so "
         "it also holds activations, buffers and libraries loaded later, e.g. DeepSpeed; GPU: max allocated). "
-        "Analytic: model states only (parameters, gradients, optimizer states), the ZeRO "
-        f"paper's formulas for {', '.join(setting)}; {psi}, {n}.",
+        "Model states: parameters, gradients and optimizer states; measured from the engine's own tensors on rank 0 "
+        "(it holds the largest shard; gradients where the optimizer steps on them), against the ZeRO "
+        f"paper's formulas for {', '.join(setting)}; {psi}, {n}. The memory verdict follows the measured model "
+        "states.",
         "Comm: wire bytes per rank per step (size × bus factor) measured at dtk's process-group seam, against the "
         "ZeRO paper's volume (2Ψ or 3Ψ, × (N−1)/N) in bytes of the communicated dtype.",
     ]
@@ -323,8 +337,15 @@ def notes(comparison: Comparison) -> list[str]:
                      "the completion, after recovery, of the step it interrupted (summed); productive time ratio: "
                      "useful step time / wall time.")
     if any(v["strategy"] in ("zero1", "zero2") for v in vs):
-        lines.append("DeepSpeed ZeRO-1/2 here all-reduce the gradients and then all-gather the updated parameters: "
-                     "about 3Ψ·(N−1)/N on the wire, where the paper counts 2Ψ·(N−1)/N (reduce-scatter + all-gather).")
+        lines.append("DeepSpeed ZeRO-1/2 reduce each gradient partition to its owner and all-gather the updated "
+                     "parameters (use_multi_rank_bucket_allreduce: false); a reduce counts S·(N−1)/N, as a "
+                     "reduce-scatter.")
+    if any(v["strategy"].startswith("zero") for v in vs):
+        lines.append("DeepSpeed keeps an fp32 master copy of its parameter partition whatever the model's dtype "
+                     "(counted in the optimizer states, the paper's K=12).")
+    if any(v["strategy"] == "zero1" and v.get("grad_accum", 1) == 1 for v in vs):
+        lines.append("DeepSpeed's ZeRO-1 with one micro-step per step reduces gradients into partitions during "
+                     "backward, as ZeRO-2 does: it holds less than the paper's whole gradients (4Ψ).")
     if any(v["strategy"] == "fsdp" and "reshard_after_forward" in " ".join(v["overrides"]) for v in vs):
         lines.append("fsdp with reshard_after_forward=false is counted as ZeRO-2: parameters whole from forward "
                      "through backward, gradients and optimizer states sharded.")
@@ -338,7 +359,8 @@ def verdict_line(comparison: Comparison) -> str:
         return "verdict: no variant completed"
     fast, lean, quiet = (by_name[verdict[k]] for k in ("fastest", "leanest_memory", "least_traffic"))
     return (f"verdict: fastest {fast['variant']} ({fast['throughput']:,.0f} {fast['throughput_unit']}); "
-            f"leanest in memory {lean['variant']} ({human_bytes(lean['peak_memory_bytes'])}); "
+            f"leanest in memory {lean['variant']} ({human_bytes(_memory(lean))} "
+            f"{'model states' if lean.get('model_state_bytes') is not None else 'peak'}); "
             f"least traffic {quiet['variant']} ({human_bytes(quiet['comm_bytes_per_step'])}/step)")
 
 
@@ -384,12 +406,11 @@ def plot(comparison: Comparison, path: Path) -> None:
                 ax_tp.annotate(f"downtime {v['downtime_s']:.2f}s\nsteps lost {v['steps_lost']}\n"
                                f"productive {v['productive_time_ratio']:.2f}", (i, 0), xytext=(0, 8),
                                textcoords="offset points", ha="center", fontsize=8, color="white")
-    for ax, key, title in ((ax_mem, "peak_memory_bytes", "peak memory, busiest rank (MiB)"),
+    for ax, key, title in ((ax_mem, "model_state_bytes", "model states, rank 0 (MiB)"),
                            (ax_comm, "comm_bytes_per_step", "comm bytes / step / rank (MiB)")):
-        analytic = "model_state_bytes_analytic" if key == "peak_memory_bytes" else "comm_bytes_per_step_analytic"
-        ax.bar([i - 0.2 for i in x], [(v[key] or 0) / mib for v in vs], width=0.4, label="measured")
-        ax.bar([i + 0.2 for i in x], [v[analytic] / mib for v in vs], width=0.4, hatch="//", fill=False,
-               label="analytic" + (" (model states only)" if key == "peak_memory_bytes" else ""))
+        ax.bar([i - 0.2 for i in x], [(v.get(key) or 0) / mib for v in vs], width=0.4, label="measured")
+        ax.bar([i + 0.2 for i in x], [v[f"{key}_analytic"] / mib for v in vs], width=0.4, hatch="//", fill=False,
+               label="analytic")
         ax.set(title=title, xticks=x, xticklabels=names)
         ax.legend()
     fig.suptitle(comparison.command, fontsize=9)

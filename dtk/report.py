@@ -107,6 +107,7 @@ def summarize(run_dir: Path, *, wall_seconds: float, failures: list[dict], exit_
             "busbw_gbps": tot["bytes"] / tot["seconds"] / 1e9 if tot["seconds"] else 0.0,
         }
     useful = sum(r["step_seconds"] for r in records)
+    states = next((r["model_state_bytes"] for r in reversed(records) if r.get("model_state_bytes")), None)
     rate_key = "tokens_per_second" if records and records[0].get("tokens_per_second") else "samples_per_second"
     return {
         "status": {0: "completed", 130: "interrupted"}.get(exit_code, "failed"),
@@ -122,6 +123,10 @@ def summarize(run_dir: Path, *, wall_seconds: float, failures: list[dict], exit_
         "step_time_p50": percentile(times, 0.5),
         "step_time_p95": percentile(times, 0.95),
         "peak_memory_bytes": max((max(r["peak_memory_bytes"]) for r in records), default=0),
+        # rank 0's, from its tensors; it holds the largest shard (FSDP2 rounds shards up on the first ranks,
+        # DeepSpeed pads partitions to equal sizes)
+        "model_state_bytes": states["total"] if states else None,
+        "model_state": states,
         "comm": {
             "bytes_per_step": sum(v["bytes_per_step"] for v in by_kind.values()),
             "seconds_per_step": sum(v["seconds_per_step"] for v in by_kind.values()),

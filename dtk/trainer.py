@@ -19,6 +19,7 @@ from dtk.metrics import MetricsWriter
 from dtk.resilience import checkpoint, inplace
 from dtk.resilience.control import Control
 from dtk.resilience.faults import CORRUPT_EXIT, Injector, checksum
+from dtk.strategies.memory import model_state_bytes
 
 log = logging.getLogger(__name__)
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
@@ -129,6 +130,7 @@ class Trainer:
             "samples_per_second": self.samples_per_step / seconds,
             "tokens_per_second": self.tokens_per_step / seconds,
             "peak_memory_bytes": [int(v) for v in rows[:, 1].tolist()],
+            "model_state_bytes": model_state_bytes(self.engine),
             "comm": comm,
             "generation": Seam.generation,
             "time": time.time(),

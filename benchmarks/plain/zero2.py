@@ -11,6 +11,8 @@ args = w.parse_args({"--stage": {"type": int, "choices": [1, 2, 3], "default": 2
 w.init(args.backend)
 deepspeed.init_distributed(dist_backend=args.backend, dist_init_required=False)
 zero = {"stage": args.stage}
+if args.stage in (1, 2):  # as dtk's zero1/zero2: each gradient partition reduced to its owner (2 x params moved)
+    zero["use_multi_rank_bucket_allreduce"] = False
 if args.stage == 3:  # the same textbook ZeRO-3 as dtk's zero3: nothing kept whole or gathered between passes
     zero.update(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)
 config = {

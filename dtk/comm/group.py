@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
 
 BACKEND_NAME = "dtk"
 log = logging.getLogger(__name__)
@@ -29,6 +28,7 @@ def bus_factor(kind: str, n: int) -> float:
         "all_reduce": 2 * (n - 1) / n,
         "all_gather": (n - 1) / n,
         "reduce_scatter": (n - 1) / n,
+        "reduce": (n - 1) / n,  # the ring's volume: a reduce is a reduce-scatter whose chunks all land on the root
         "all_to_all": (n - 1) / n,
         "gather": (n - 1) / n,
         "scatter": (n - 1) / n,
@@ -56,7 +56,7 @@ class CommStats:
 
     def issued(self, kind: str, size_bytes: int, n: int, peer: int | None = None) -> None:
         with self.lock:
-            k = self.kinds.setdefault(kind, KindStats())
+            k = self.kinds.get(kind) or self.kinds.setdefault(kind, KindStats())
             k.calls += 1
             k.size_bytes += size_bytes
             k.bytes += size_bytes * bus_factor(kind, n)
@@ -65,7 +65,7 @@ class CommStats:
 
     def finished(self, kind: str, seconds: float) -> None:
         with self.lock:
-            self.kinds.setdefault(kind, KindStats()).seconds += seconds
+            (self.kinds.get(kind) or self.kinds.setdefault(kind, KindStats())).seconds += seconds
 
     def take(self) -> dict:
         """The counters since the last take, as plain numbers; resets them."""
@@ -141,56 +141,90 @@ class Seam:
         return time.perf_counter() - t0
 
 
-class SeamWork(dist._Work):
-    """A work that completes when the inner work does, or when the seam releases it; it never raises."""
+WAIT_SLICE = datetime.timedelta(milliseconds=50)
+"""A blocked wait wakes this often to see whether the seam released it (a peer's death can leave gloo blocked)."""
 
-    def __init__(self, group: "DtkGroup", kind: str, result, inner: dist._Work | None):
+
+class SeamWork(dist._Work):
+    """The inner work, waited on directly by the caller's thread; it completes when the inner work does or when the
+    seam releases it, and never raises. A future (DDP asks for one) is made only when asked for."""
+
+    def __init__(self, group: "DtkGroup", kind: str, result, inner):
         super().__init__()
-        self._group, self._kind, self._result = group, kind, result
+        self._group, self._kind, self._result, self._inner = group, kind, result, inner
         self._t0 = time.perf_counter()
         self._generation = Seam.generation
-        self._future: torch.futures.Future = torch.futures.Future()
-        self._lock = threading.Lock()
-        if inner is None:
-            self._finish(None)
-            return
-        group.outstanding.add(self)
-        try:
-            future = inner.get_future()
-        except RuntimeError:  # some gloo works (e.g. _reduce_scatter_base) have no future: wait in a thread
-            group.waiter.watch(inner, self)
-        else:
-            future.add_done_callback(self._on_inner_done)
+        self._future: torch.futures.Future | None = None
+        self._done = inner is None
+        if not self._done:
+            group.outstanding.add(self)
+
+    def _failed(self, e: Exception) -> None:
+        # a peer died or the group was aborted: flag it, never raise into the strategy
+        Seam.release(f"{self._kind} failed on rank {self._group.rank()}: {str(e).splitlines()[0][:200]}",
+                     generation=self._generation)
 
     def _on_inner_done(self, fut) -> None:
         try:
             fut.wait()
-        except Exception as e:  # a peer died or the group was aborted: flag it, never raise into the strategy
-            Seam.release(f"{self._kind} failed on rank {self._group.rank()}: {str(e).splitlines()[0][:200]}",
-                         generation=self._generation)
-        self._finish(None)
+        except Exception as e:
+            self._failed(e)
+        self._finish()
 
-    def _finish(self, _) -> None:
-        with self._lock:
-            if self._future.done():
+    def _finish(self) -> None:
+        with _finish_lock:
+            if self._done:
                 return
+            self._done = True
+            future = self._future  # one made after this point is completed by get_future itself
             self._group.outstanding.discard(self)
-            if self._kind:
-                Seam.stats.finished(self._kind, time.perf_counter() - self._t0)
-            self._future.set_result(self._result)
+        if self._kind:
+            Seam.stats.finished(self._kind, time.perf_counter() - self._t0)
+        if future is not None:
+            future.set_result(self._result)  # outside the lock: it runs the strategy's callbacks
 
     def wait(self, timeout=None) -> bool:
-        self._future.wait()
+        inner = self._inner
+        while not self._done:
+            running = not inner.is_completed()
+            try:
+                inner.wait(WAIT_SLICE)
+            except RuntimeError as e:
+                # c10d's slice timeout; the op may complete just after it, so its outcome is read on the next turn
+                if running and "Operation timed out!" in str(e):
+                    continue
+                self._failed(e)
+            except Exception as e:  # noqa: BLE001 -- whatever the inner backend raises, the strategy must not see it
+                self._failed(e)
+            self._finish()
         return True
 
     def get_future(self) -> torch.futures.Future:
-        return self._future
+        with _finish_lock:
+            if self._future is not None:
+                return self._future
+            self._future = future = torch.futures.Future()
+            done = self._done
+        if done:
+            future.set_result(self._result)
+            return future
+        try:
+            inner = self._inner.get_future()
+        except RuntimeError:  # some gloo works (e.g. _reduce_scatter_base) have no future: wait in a thread
+            self._group.waiter.watch(self)
+        else:
+            inner.add_done_callback(self._on_inner_done)
+        return future
 
     def is_completed(self) -> bool:
-        return self._future.done()
+        return self._done or (self._inner.is_completed() and self._finish_now())
+
+    def _finish_now(self) -> bool:
+        self.wait()  # completed: returns at once, and reports a failure if there was one
+        return True
 
     def is_success(self) -> bool:
-        return self._future.done()
+        return self.is_completed()
 
     def exception(self):
         return None
@@ -199,27 +233,50 @@ class SeamWork(dist._Work):
         return self._result
 
 
+_finish_lock = threading.Lock()
+
+
 class Waiter:
-    """Completes works that have no future by waiting on them in order, in one thread per inner group."""
+    """Completes the futures of works that have none of their own, by waiting on them in order in one thread."""
 
     def __init__(self):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
-    def watch(self, inner: dist._Work, work: SeamWork) -> None:
+    def watch(self, work: SeamWork) -> None:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="dtk-waiter", daemon=True)
             self._thread.start()
-        self._queue.put((inner, work))
+        self._queue.put(work)
 
     def _loop(self) -> None:
         while True:
-            inner, work = self._queue.get()
-            work._on_inner_done(inner)  # Work.wait() raises like Future.wait() on failure
+            self._queue.get().wait()
+
+
+class _Serial:
+    """Works issued one after another (gloo has no coalesced single-tensor variants), waited on as one."""
+
+    def __init__(self, works: list):
+        self._works = works
+
+    def wait(self, timeout=None) -> bool:
+        for w in self._works:
+            if not w.is_completed():
+                w.wait(timeout)
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def get_future(self) -> torch.futures.Future:
+        return torch.futures.collect_all([w.get_future() for w in self._works])
 
 
 def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    if len(tensors) == 1:
+        return tensors[0].nbytes
+    return sum(t.nbytes for t in tensors)
 
 
 class DtkGroup(dist.ProcessGroup):
@@ -232,6 +289,7 @@ class DtkGroup(dist.ProcessGroup):
         self._inner_cpu: dist.ProcessGroup | None = None
         self._inner_cuda: dist.ProcessGroup | None = None
         self._retired: list = []
+        self._world = size
         self._name = self._desc = ""
         self.outstanding: set[SeamWork] = set()
         if not Seam.joining:
@@ -284,7 +342,7 @@ class DtkGroup(dist.ProcessGroup):
 
     def release_outstanding(self) -> None:
         for w in list(self.outstanding):
-            w._finish(None)
+            w._finish()
         if self._inner_cuda is not None:
             self._inner_cuda.abort()
 
@@ -295,9 +353,10 @@ class DtkGroup(dist.ProcessGroup):
 
     def _run(self, kind: str, tensors, result, call, *, size_bytes: int | None = None, peer: int | None = None,
              local=None):
-        if Seam.counting():
-            Seam.stats.issued(kind, _nbytes(tensors) if size_bytes is None else size_bytes, self.size(), peer)
-        inner = self._inner(tensors)
+        counting = getattr(Seam._counting, "on", True)
+        if counting:
+            Seam.stats.issued(kind, _nbytes(tensors) if size_bytes is None else size_bytes, self._world, peer)
+        inner = self._inner_cpu if self._inner_cuda is None else self._inner(tensors)
         if inner is None or Seam.failed_generation == Seam.generation:
             # Joining (local until reconfigured) or a peer already failed this step: complete at once, as if every
             # peer held what this rank holds. The values are meaningless and are replaced by the state repair.
@@ -305,7 +364,7 @@ class DtkGroup(dist.ProcessGroup):
                 with torch.no_grad():
                     local()
             return SeamWork(self, kind, result, None)
-        return SeamWork(self, kind if Seam.counting() else "", result, call(inner))
+        return SeamWork(self, kind if counting else "", result, call(inner))
 
     # -- collectives the C++ side routes to Python --
     def allreduce(self, tensors, opts):
@@ -357,9 +416,7 @@ class DtkGroup(dist.ProcessGroup):
 
     @staticmethod
     def _serial(op, outputs, inputs, opts):
-        # gloo has no coalesced single-tensor variants: issue them one after another, complete when the last does
-        futures = [op(o, i, opts).get_future() for o, i in zip(outputs, inputs)]
-        return _create_work_from_future(torch.futures.collect_all(futures) if futures else _done_future(outputs))
+        return _Serial([op(o, i, opts) for o, i in zip(outputs, inputs)])
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
         return self._run("all_to_all", [input], [output],
@@ -395,12 +452,6 @@ def _fill_lists(output_lists, inputs) -> None:
 
 def _fill_flat(output: torch.Tensor, input: torch.Tensor) -> None:
     output.view(-1, input.numel()).copy_(input.reshape(1, -1))
-
-
-def _done_future(value) -> torch.futures.Future:
-    f = torch.futures.Future()
-    f.set_result(value)
-    return f
 
 
 def _create(dist_opts, backend_opts) -> DtkGroup:

@@ -31,6 +31,11 @@ class ZeroEngine:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend="dtk", dist_init_required=False)
         zero: dict = {"stage": stage}
+        if stage in (1, 2):
+            # Textbook ZeRO-1/2 traffic (2 x params per step): each gradient partition is reduced to its owner
+            # instead of all-reducing whole buckets (DeepSpeed's default, 3 x params). Measured on gloo, 2 ranks,
+            # a 3.2M-parameter GPT: steps/s the same within noise (BENCHMARKS.md).
+            zero["use_multi_rank_bucket_allreduce"] = False
         if stage == 3:
             # Textbook ZeRO-3 (3 x params moved per step): no parameter stays whole for being small, and none is
             # kept gathered from forward to backward. DeepSpeed's defaults trade memory for traffic on both.

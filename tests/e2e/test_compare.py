@@ -54,9 +54,15 @@ def test_compare_strategies_writes_every_file_with_sane_figures(tmp_path):
 
     psi = by_name["ddp"]["params"]
     assert psi > 0 and all(v["params"] == psi for v in by_name.values())
-    # model states per rank, fp32 AdamW on N=2: DDP 16Ψ, fully sharded 16Ψ/N
+    # model states per rank, fp32 AdamW on N=2: DDP 16Ψ, FSDP2 16Ψ/N, DeepSpeed ZeRO-3 20Ψ/N (its fp32 master
+    # copy); measured from the tensors within 10%, and the memory verdict follows them
     assert by_name["ddp"]["model_state_bytes_analytic"] == 16 * psi
-    assert by_name["zero3"]["model_state_bytes_analytic"] == by_name["fsdp"]["model_state_bytes_analytic"] == 8 * psi
+    assert by_name["fsdp"]["model_state_bytes_analytic"] == 8 * psi
+    assert by_name["zero3"]["model_state_bytes_analytic"] == 10 * psi
+    for name in ("ddp", "fsdp", "zero3"):
+        v = by_name[name]
+        assert v["model_state_bytes"] == pytest.approx(v["model_state_bytes_analytic"], rel=0.1), name
+    assert doc["verdict"]["leanest_memory"] == "fsdp"
     # bytes on the wire: DDP 2Ψ·4·(N−1)/N, ZeRO-3/FSDP 3Ψ·4·(N−1)/N; measured matches, and ZeRO-3 moves 1.5x DDP
     assert by_name["ddp"]["comm_bytes_per_step_analytic"] == 2 * psi * 4 / 2
     for name in ("ddp", "fsdp", "zero3"):
@@ -76,7 +82,7 @@ def test_compare_strategies_writes_every_file_with_sane_figures(tmp_path):
         text = " ".join(text.split())  # the terminal table wraps its caption at the console width
         for name in by_name:
             assert name in text
-        assert "warm-up" in text and "model states only" in text and "verdict: fastest" in text
+        assert "warm-up" in text and "model states" in text and "verdict: fastest" in text
     md = (out / "compare.md").read_text()
     assert md.count("\n| ") == 1 + len(by_name)  # header + one row per variant
     assert "16Ψ/N" in md and "3Ψ" in md

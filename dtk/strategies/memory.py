@@ -1,0 +1,79 @@
+"""Model-state bytes per rank, measured from the engine's own tensors: parameters, gradients and optimizer states
+(the ZeRO paper's three terms; activations and buffers apart), each storage counted once, padding included."""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.distributed.tensor import DTensor
+
+# Gradients live only inside a step (the engines drop them after the update), so they are read where the
+# optimizer consumes them: a global step pre-hook notes, once per optimizer, the storages of its params' grads.
+_grads: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+_hook = None
+_measured: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+
+
+def _storage_bytes(tensors, seen: set[int]) -> int:
+    """Bytes of the distinct storages under `tensors` not in `seen` (views of one flat buffer count once)."""
+    total = 0
+    for t in tensors:
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        if not isinstance(t, torch.Tensor) or t.numel() == 0:
+            continue
+        storage = t.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def _note_grads(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    if optimizer not in _grads:
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if grads:
+            _grads[optimizer] = _storage_bytes(grads, set())
+
+
+def watch_gradients() -> None:
+    """Start noting gradient bytes at optimizer steps; call before the first step (the trainer's module imports
+    this one, which calls it)."""
+    global _hook
+    if _hook is None:
+        _hook = register_optimizer_step_pre_hook(_note_grads)
+
+
+def _parts(engine) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.optim.Optimizer]:
+    """The model's parameters as this rank holds them, the tensors the optimizer updates, and the torch optimizer
+    that steps: DeepSpeed's inner one, which updates DeepSpeed's fp32 master partitions (ZeRO-3 hands it one
+    partition at a time, so its param_groups are empty between steps)."""
+    if hasattr(engine, "_flat_groups"):  # DeepSpeed ZeRO: flat (ZeRO-3: partitioned) model-dtype groups + masters
+        low, master = engine._flat_groups()
+        return low, master, engine.optimizer.optimizer
+    params = list(engine.module.parameters())
+    return params, params, engine.optimizer
+
+
+def model_state_bytes(engine) -> dict | None:
+    """{"parameters", "gradients", "optimizer_states", "total"} in bytes on this rank, or None before the first
+    optimizer step (no gradients or optimizer states exist yet). A master copy of the parameters (DeepSpeed keeps
+    one in fp32 whatever the model's dtype) counts as optimizer state, as in the ZeRO paper's K."""
+    if engine in _measured:
+        return _measured[engine]
+    params, stepped, optimizer = _parts(engine)
+    if optimizer not in _grads or not optimizer.state:
+        return None
+    seen: set[int] = set()
+    parameters = _storage_bytes(params, seen)
+    states = _storage_bytes(stepped, seen)  # the master copy; nothing when the optimizer updates the model itself
+    states += _storage_bytes((t for state in optimizer.state.values() for t in state.values()), seen)
+    out = {"parameters": parameters, "gradients": _grads[optimizer], "optimizer_states": states}
+    out["total"] = sum(out.values())
+    _measured[engine] = out  # the states keep their sizes from here on (recovery writes into them in place)
+    return out
+
+
+watch_gradients()

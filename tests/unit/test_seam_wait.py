@@ -1,0 +1,69 @@
+"""How a SeamWork waits on its inner work: in slices, so that a release frees it; a slice's timeout is never taken
+for a failure, a real failure is flagged and never raised, and a release completes a wait that gloo would block."""
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from dtk.comm.group import WAIT_SLICE, Seam, SeamWork
+
+
+class InnerWork:
+    """Stands in for a gloo work: `outcomes` says what each wait(timeout) does ("timeout", "timeout+done",
+    "ok", or an error message); "timeout+done" is the race of an op that completes just after a slice ended."""
+
+    def __init__(self, outcomes):
+        self.outcomes, self.completed, self.waits = list(outcomes), False, 0
+
+    def is_completed(self) -> bool:
+        return self.completed
+
+    def wait(self, timeout=None) -> bool:
+        self.waits += 1
+        outcome = self.outcomes.pop(0) if self.outcomes else "block"
+        if outcome == "block":
+            time.sleep(timeout.total_seconds())
+            raise RuntimeError("Operation timed out!")
+        if outcome.startswith("timeout"):
+            self.completed = outcome == "timeout+done"
+            raise RuntimeError("Operation timed out!")
+        self.completed = True
+        if outcome != "ok":
+            raise RuntimeError(outcome)
+        return True
+
+
+@pytest.fixture
+def group():
+    g = SimpleNamespace(outstanding=set(), rank=lambda: 0)
+    Seam.failure, Seam.failed_generation, Seam.groups = None, -1, []
+    yield g
+    Seam.failure, Seam.failed_generation, Seam.groups = None, -1, []
+
+
+def test_an_op_that_completes_just_after_a_slice_is_not_a_failure(group):
+    inner = InnerWork(["timeout", "timeout+done", "ok"])
+    work = SeamWork(group, "all_reduce", "result", inner)
+    assert work.wait() is True and work.result() == "result"
+    assert Seam.failure is None and inner.waits == 3 and not group.outstanding
+
+
+def test_a_failed_op_is_flagged_and_not_raised(group):
+    inner = InnerWork(["timeout", "Connection closed by peer [127.0.0.1]:1234"])
+    work = SeamWork(group, "all_gather", None, inner)
+    assert work.wait() is True
+    assert "all_gather failed on rank 0: Connection closed by peer" in Seam.failure
+    assert work.get_future().done()
+
+
+def test_a_release_frees_a_wait_that_would_block(group):
+    Seam.groups = [SimpleNamespace(release_outstanding=lambda: [w._finish() for w in list(group.outstanding)])]
+    work = SeamWork(group, "reduce_scatter", None, InnerWork([]))
+    threading.Timer(0.1, Seam.release, args=("rank 1 died",)).start()
+    t0 = time.monotonic()
+    assert work.wait() is True
+    assert time.monotonic() - t0 < 0.1 + 3 * WAIT_SLICE.total_seconds()
+    assert Seam.failure == "rank 1 died" and not group.outstanding
