@@ -438,19 +438,27 @@ class ParityKeeper:
         return int(np.count_nonzero(self._flat(slot) != live.numpy()))
 
 
-def build_keeper(*, state: Callable[[], list[torch.Tensor]], resilience, nproc_per_node: int) -> ParityKeeper:
-    """The keeper a recipe asks for (`resilience.parity_group`, `resilience.parity_tier2`); a bad pair for this
-    world size is a user error naming the field."""
+def parity_layout(resilience, *, world: int, nproc_per_node: int) -> tuple[int, int]:
+    """(ranks per parity group, tier-2 parity shards) that `resilience.parity_group` / `parity_tier2` ask for on
+    `world` ranks; a pair that does not fit is a user error naming the field."""
     from dtk.errors import DtkError
 
-    world = dist.get_world_size()
     k = resilience.parity_group or max(2, nproc_per_node)
-    if world % k or k > world:
+    if world < 2:
+        raise DtkError(f"resilience.parity_group: a world of {world} rank has no peer to hold its parity; "
+                       f"accepted: 2 ranks or more")
+    if world % k:
         divisors = [d for d in range(2, world + 1) if world % d == 0]
         raise DtkError(f"resilience.parity_group: got {k}; parity groups must tile the {world} ranks; "
-                       f"accepted: {', '.join(map(str, divisors)) or 'none (one rank has no peer to hold parity)'}")
-    groups = world // k
-    if resilience.parity_tier2 and resilience.parity_tier2 >= groups:
-        raise DtkError(f"resilience.parity_tier2: got {resilience.parity_tier2}; {world} ranks in parity groups of "
-                       f"{k} make {groups} group(s); accepted: 0..{groups - 1}")
-    return ParityKeeper(state=state, group_size=k, tier2=resilience.parity_tier2)
+                       f"accepted: {', '.join(map(str, divisors))}")
+    groups, m = world // k, resilience.parity_tier2
+    if m and m >= groups:
+        raise DtkError(f"resilience.parity_tier2: got {m}; {world} ranks in parity groups of {k} make {groups} "
+                       f"group(s), and tier 2 needs more groups than parity shards; accepted: 0..{groups - 1}")
+    return k, m
+
+
+def build_keeper(*, state: Callable[[], list[torch.Tensor]], resilience, nproc_per_node: int) -> ParityKeeper:
+    """The keeper a recipe asks for, on every rank (a replacement too), after the default group exists."""
+    k, m = parity_layout(resilience, world=dist.get_world_size(), nproc_per_node=nproc_per_node)
+    return ParityKeeper(state=state, group_size=k, tier2=m)
