@@ -56,6 +56,19 @@ class RebuildReport:
     """From the call until every rank's live tensors hold step T (parity is rebuilt afterwards, in background)."""
 
 
+def agree_step(usable: dict[int, list[int]], *, lost: set[int]) -> int:
+    """The commit rule: the newest step boundary usable (data and parity of that step) on every survivor, given
+    each survivor's usable steps (-1 = a slot with none). Raises ParityLost when there is none."""
+    common = None
+    for steps in usable.values():
+        mine = {s for s in steps if s >= 0}
+        common = mine if common is None else common & mine
+    if not common:
+        raise ParityLost(f"no step boundary is protected on every survivor (usable steps per rank: {usable}); "
+                         f"lost ranks {sorted(lost)} cannot be rebuilt")
+    return max(common)
+
+
 class FlatState:
     """A list of live tensors seen as one flat byte string (each tensor's bytes through a uint8 view)."""
 
@@ -337,15 +350,8 @@ class ParityKeeper:
             table = self._all_gather(mine)
             self._check(generation, "agreeing on the step")
             self._set_layout([int(v) for v in table[:, 0]])
-            common = None
-            for r in range(self.world):
-                if r not in lost_set:
-                    usable = {int(v) for v in table[r, 1:] if v >= 0}
-                    common = usable if common is None else common & usable
-            if not common:
-                raise ParityLost(f"no step boundary is protected on every survivor (usable steps per rank: "
-                                 f"{table[:, 1:].tolist()}); lost ranks {sorted(lost_set)} cannot be rebuilt")
-            step = max(common)
+            step = agree_step({r: [int(v) for v in table[r, 1:]] for r in range(self.world) if r not in lost_set},
+                              lost=lost_set)
             if is_lost:
                 slot = self.slots[self.current]
                 slot.data_step = slot.parity_step = -1

@@ -34,3 +34,16 @@ def test_pairs_that_do_not_fit_name_the_field(overrides, world, field, accepted)
 def test_recipe_rejects_a_group_of_one():
     with pytest.raises(DtkError, match="resilience.parity_group"):
         _res("resilience.parity_group=1")
+
+
+def test_commit_rule_picks_the_newest_step_usable_everywhere():
+    from dtk.resilience.parity import ParityLost, agree_step
+
+    # nobody saw the vote of 6 complete: rank 0 finished its exchange of 6, rank 2 did not
+    assert agree_step({0: [5, 6], 2: [5, -1]}, lost={1}) == 5
+    # rank 0 saw the vote of 6 complete (its slot of 5 is still there); rank 2 finished 6 but missed the vote
+    assert agree_step({0: [6, 5], 2: [5, 6]}, lost={1}) == 6
+    # rank 0 moved on and overwrote 5 with its (failed) exchange of 7; 6 is what both still hold
+    assert agree_step({0: [6, -1], 2: [5, 6]}, lost={1}) == 6
+    with pytest.raises(ParityLost, match="no step boundary"):
+        agree_step({0: [7, -1], 2: [5, -1]}, lost={1})
