@@ -194,6 +194,9 @@ class ParityKeeper:
     def _set_layout(self, sizes: list[int]) -> None:
         if sizes == self.sizes and self.slots:
             return
+        if self.slots and any(s.usable >= 0 for s in self.slots):
+            raise ParityLost(f"local state sizes changed from {self.sizes} to {sizes} bytes; the parity held "
+                             f"does not fit them")
         self.sizes, b = sizes, max(sizes)
         self.xor = XorLayout.for_state(k=self.k, state_bytes=b)
         if self.m:
@@ -222,7 +225,8 @@ class ParityKeeper:
         self.settle()
         self._result = False
         generation = Seam.generation
-        self._thread = threading.Thread(target=self._run_protect, args=(step, generation), daemon=True,
+        flat = FlatState(self.state_fn())  # here, not in the thread: local_state() may create optimizer state
+        self._thread = threading.Thread(target=self._run_protect, args=(step, generation, flat), daemon=True,
                                         name=f"dtk-parity-{step}")
         self._thread.start()
 
@@ -241,22 +245,22 @@ class ParityKeeper:
             self._thread.join()
             self._thread = None
 
-    def _run_protect(self, step: int, generation: int) -> None:
+    def _run_protect(self, step: int, generation: int, flat: FlatState) -> None:
         try:
             with Seam.uncounted():
-                self._result = self._protect(step, generation)
+                self._result = self._protect(step, generation, flat)
         except BaseException as e:  # a bug: hand it to the trainer's thread with its traceback
             self._result = e
 
-    def _protect(self, step: int, generation: int) -> bool:
+    def _protect(self, step: int, generation: int, flat: FlatState) -> bool:
         st, t0 = self.stats, time.perf_counter()
         if not self.slots:
-            self._set_layout([int(v) for v in self._all_gather([self.state_bytes])[:, 0]])
+            self._set_layout([int(v) for v in self._all_gather([flat.nbytes])[:, 0]])
             if self._failed(generation):
                 return False
         slot = self.slots[1 - self.current]
         slot.data_step = slot.parity_step = -1
-        self._fill_rows(slot)
+        self._fill_rows(slot, flat)
         slot.data_step = step
         t1 = time.perf_counter()
         _reduce_scatter_single(torch.from_numpy(slot.parity1), torch.from_numpy(slot.rows).view(-1),
@@ -288,8 +292,8 @@ class ParityKeeper:
         st.totals["encode_s"] += encode_s
         return True
 
-    def _fill_rows(self, slot: Slot) -> None:
-        flat, body = FlatState(self.state_fn()), torch.from_numpy(slot.rows).view(-1)
+    def _fill_rows(self, slot: Slot, flat: FlatState) -> None:
+        body = torch.from_numpy(slot.rows).view(-1)
         c, cut = self.xor.chunk, self.member * self.xor.chunk
         flat.read_into(body[:cut], 0)
         body[cut:cut + c].zero_()
