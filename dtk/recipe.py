@@ -114,6 +114,12 @@ class ResilienceConfig(Section):
     failed rank's number. Default: 1 when mode is inplace, else 0. 0 = a cold replacement process."""
     checksum_every: int = Field(0, ge=0)
     """Verify every N steps that each rank's local state did not change between steps (bit flips); 0 = never."""
+    parity_group: int | None = Field(None, ge=2)
+    """Ranks per tier-1 parity group (XOR parity, RAID-5 layout; consecutive ranks); one lost rank per group is
+    rebuilt from the others. Default: the ranks of a node (world.nproc), at least 2. Must divide the world size."""
+    parity_tier2: int = Field(0, ge=0)
+    """Tier 2: Reed-Solomon parity shards across parity groups; survives this many whole groups lost at once
+    (e.g. a node). 0 = off. Needs more parity groups than this."""
 
 
     @model_validator(mode="after")

@@ -60,16 +60,24 @@ def build_torch_optimizer(params, cfg) -> torch.optim.Optimizer:
 
 
 def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create lazily-made optimizer state (a fresh process has none) so its tensors can receive a peer's.
-    The dry step's values are meaningless; the caller overwrites every tensor."""
+    """Create lazily-made optimizer state (a fresh process has none) so its tensors can receive a peer's, or be
+    protected by parity before the first update, without changing the run: the dry step's parameter change
+    (weight decay) is undone and its state zeroed, which is the state Adam, AdamW and SGD (dampening 0) create."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if all(p in optimizer.state and optimizer.state[p] for p in params):
         return
+    saved = [p.detach().clone() for p in params]
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for p, before in zip(params, saved):
+            p.copy_(before)
+            for t in optimizer.state[p].values():
+                if isinstance(t, torch.Tensor):
+                    t.zero_()
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer, params) -> list[torch.Tensor]:
