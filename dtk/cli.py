@@ -252,9 +252,30 @@ def bench_comm(
     iters: Annotated[int, typer.Option(min=1)] = 5,
     warmup: Annotated[int, typer.Option(min=0)] = 2,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the rows to this JSON file.")] = None,
+    comm: Annotated[Optional[str], typer.Option(help="Comma list of comm modes (native, adaptive) to compare "
+                                                     "instead of native vs seam.")] = None,
+    testbed: Annotated[int, typer.Option(min=0, max=64, help="Run the ranks on an emulated network of N hosts "
+                                                            "(root; one rank per host).")] = 0,
+    congest: Annotated[Optional[list[str]], typer.Option(help="Congestion on the test bed, repeatable: "
+                                                              "pair=I-J,rate=R or host=I,rate=R.")] = None,
+    out_dir: Annotated[Optional[str], typer.Option("--out", help="Folder for bench.json and events.jsonl.")] = None,
 ) -> None:
-    """nccl-tests-like sweep: time, algbw and busbw per size, native backend vs dtk's seam."""
-    from dtk.comm.bench import parse_size, run_sweep
+    """nccl-tests-like sweep: time, algbw and busbw per size, native backend vs dtk's seam (or, with --comm,
+    comm modes side by side; with --testbed, on an emulated network, congested with --congest)."""
+    from dtk.comm.bench import parse_size, run_modes, run_sweep
+
+    if comm is not None or testbed or congest or out_dir:
+        kinds = [k.strip() for k in ops.split(",") if k.strip()]
+        bad = [k for k in kinds if k not in ("all_reduce", "all_gather", "reduce_scatter")]
+        if bad:
+            raise DtkError(f"--ops: got {bad[0]!r}; accepted: all_reduce, all_gather, reduce_scatter")
+        if testbed == 1:
+            raise DtkError("--testbed: got 1; accepted: 2..64 hosts (or 0 for local ranks)")
+        modes = [m.strip() for m in (comm or "native,adaptive").split(",") if m.strip()]
+        run_modes(nproc=nproc, kinds=kinds, min_bytes=parse_size(min_bytes, "--min-bytes"),
+                  max_bytes=parse_size(max_bytes, "--max-bytes"), iters=iters, warmup=warmup, modes=modes,
+                  out_dir=out_dir, testbed=testbed, congest=congest or [])
+        return
 
     kinds = [k.strip() for k in ops.split(",") if k.strip()]
     bad = [k for k in kinds if k not in ("all_reduce", "all_gather", "reduce_scatter")]

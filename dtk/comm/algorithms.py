@@ -41,9 +41,9 @@ class P2P:
             self.call = next_call(self.pg)
 
     def tag(self, phase: int, step: int, piece: int) -> int:
-        # gloo tags are 31-bit ints: call (7 bits), phase (4), step (6), piece (14); the sender and the receiver
+        # gloo tags are 31-bit ints: call (6 bits; dtk probes use bit 30), phase (4), step (6), piece (14); the sender and the receiver
         # of a message name it by what it is, so both compute the same tag
-        return (self.call % 128) << 24 | (phase % 16) << 20 | (step % 64) << 14 | piece % 16384
+        return (self.call % 64) << 24 | (phase % 16) << 20 | (step % 64) << 14 | piece % 16384
 
     def isend(self, t: torch.Tensor, peer: int, key: int) -> "_Send":
         return _Send(self.pg.send([t], peer, key))
