@@ -236,11 +236,14 @@ def tree_broadcast(p2p: P2P, t: torch.Tensor, *, root: int, kind: str = "binary"
 
 def hierarchical_all_reduce(p2p: P2P, t: torch.Tensor, *, groups: Sequence[Sequence[int]],
                             leader_all_reduce: Callable[[torch.Tensor], None] | None = None,
-                            chunk_bytes: int = CHUNK_BYTES) -> None:
+                            back: dict[int, int] | None = None, chunk_bytes: int = CHUNK_BYTES) -> None:
     """Sum `t` over every rank: each group's members stream their pieces to the group's leader (its first rank),
     the leaders all-reduce each piece among themselves (a ring over p2p unless `leader_all_reduce` is given:
     e.g. the native op of a group of the leaders), and stream the result back. A member's link carries the
-    tensor once each way, which is what makes a congested host a leaf."""
+    tensor once each way, which is what makes a congested host a leaf. `back` names, per member, another leader
+    that sends it the result: with gloo, one connection carrying both ways runs at about half duplex, so the
+    result comes back on a different one."""
+    back = back or {}
     me = p2p.pg.rank()
     group = next(g for g in groups if me in g)
     leader = group[0]
@@ -250,11 +253,12 @@ def hierarchical_all_reduce(p2p: P2P, t: torch.Tensor, *, groups: Sequence[Seque
         recvs = []
         for c, (s, x) in enumerate(zip(sends, pieces)):
             s.wait()  # the piece is out: its result may land on it
-            recvs.append(p2p.irecv(x, leader, p2p.tag(1, 0, c)))
+            recvs.append(p2p.irecv(x, back.get(me, leader), p2p.tag(1, 0, c)))
         _wait_all(recvs)
         return
     members = list(group[1:])
     leaders = [g[0] for g in groups]
+    served = [m for g in groups for m in g[1:] if back.get(m, g[0]) == me]
     bufs = [[torch.empty_like(x) for x in pieces] for _ in members]
     recvs = [[p2p.irecv(b, m, p2p.tag(0, 0, c)) for c, b in enumerate(mb)] for m, mb in zip(members, bufs)]
     sends = []
@@ -268,5 +272,5 @@ def hierarchical_all_reduce(p2p: P2P, t: torch.Tensor, *, groups: Sequence[Seque
             else:
                 # phases 2..15 (pairs), reused in turn: gloo matches one tag's messages in order per peer
                 ring_all_reduce(p2p, x, order=leaders, chunk_bytes=chunk_bytes, phase=2 + 2 * (c % 7))
-        sends += [p2p.isend(x, m, p2p.tag(1, 0, c)) for m in members]
+        sends += [p2p.isend(x, m, p2p.tag(1, 0, c)) for m in served]
     _wait_all(sends)

@@ -16,7 +16,7 @@ from torch._C._distributed_c10d import _create_work_from_future
 
 from dtk.comm import algorithms
 from dtk.comm.monitor import LinkMonitor
-from dtk.comm.planner import NATIVE, Choice, PlanState, describe
+from dtk.comm.planner import NATIVE, PIECE_BYTES, Choice, PlanState, describe
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ class Router:
         sub = self._group(("leaders",) + leaders) if self.rank in leaders else None
         p2p = algorithms.P2P(self.ctl)
         algorithms.hierarchical_all_reduce(
-            p2p, t, groups=choice.groups, chunk_bytes=algorithms.CHUNK_BYTES // 4,
+            p2p, t, groups=choice.groups, back=dict(choice.back), chunk_bytes=PIECE_BYTES,
             leader_all_reduce=(lambda x: sub.allreduce([x]).wait()) if sub is not None else None)
         self.monitor.observe_p2p(p2p.timings)
 

@@ -9,8 +9,9 @@ import statistics
 from dataclasses import asdict, dataclass, field
 
 CONGESTED = 0.25
-"""A link is congested when it measures below this fraction of the median link (noise on a shared machine
-moves healthy links by 2x, a shaped one is 10x+ slower)."""
+"""A link is congested when it measures below this fraction of the reference link, the upper quartile (noise on a
+shared machine moves healthy links by 2x, a shaped one is 10x+ slower; a congested host slows half the links
+of 4, so the median would not do)."""
 SWITCH = 0.7
 """Change the plan only when the new one is predicted at most this fraction of the current one's time."""
 CLEAN_PROBES = 2
@@ -33,6 +34,8 @@ class Choice:
     `groups`, each group's first rank leads)."""
     order: tuple[int, ...] = ()
     groups: tuple[tuple[int, ...], ...] = ()
+    back: tuple[tuple[int, int], ...] = ()
+    """(member, leader) pairs: the leader that streams the result back to a member (not its own leader)."""
     min_bytes: int = 0
     """Calls smaller than this stay native (latency wins over bandwidth)."""
 
@@ -40,7 +43,8 @@ class Choice:
         if self.algo == "reordered":
             return f"ring order {'-'.join(map(str, self.order))}"
         if self.algo == "leaf":
-            return f"hierarchical {'|'.join(','.join(map(str, g)) for g in self.groups)} (>= {self.min_bytes} B)"
+            via = "".join(f", {m} back from {b}" for m, b in self.back)
+            return f"hierarchical {'|'.join(','.join(map(str, g)) for g in self.groups)}{via} (>= {self.min_bytes} B)"
         return "native"
 
 
@@ -62,11 +66,16 @@ class Links:
         p = len(self.raw)
         sym = [[min(_v(self.raw[i][j]), _v(self.raw[j][i])) if i != j else math.inf for j in range(p)] for i in range(p)]
         values = [sym[i][j] for i in range(p) for j in range(i + 1, p) if math.isfinite(sym[i][j])]
-        median = statistics.median(values) if values else 1e9
+        median = _upper_quartile(values) if values else 1e9
         self.bw = [[math.inf if i == j else (sym[i][j] if sym[i][j] < CONGESTED * median else median)
                     for j in range(p)] for i in range(p)]
         self.congested = [(i, j, sym[i][j]) for i in range(p) for j in range(i + 1, p) if sym[i][j] < CONGESTED * median]
         self.cap = [max((self.bw[i][j] for j in range(p) if j != i), default=median) for i in range(p)]
+
+
+def _upper_quartile(values: list[float]) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, (3 * len(v)) // 4)]
 
 
 def _v(x: float) -> float:
@@ -121,20 +130,21 @@ def choose(links: Links, kind: str) -> Choice:
     order = best_order(links, list(range(p)))
     if order != tuple(range(p)):
         candidates.append(Choice(algo="reordered", order=order))
-    slow_hosts = [h for h in range(p) if links.cap[h] < CONGESTED * statistics.median(links.cap)]
+    slow_hosts = [h for h in range(p) if links.cap[h] < CONGESTED * max(links.cap)]
     if kind == "all_reduce" and p >= 3 and len(slow_hosts) == 1:
         h = slow_hosts[0]
         rest = [r for r in range(p) if r != h]
-        helper = max(rest, key=lambda r: (links.bw[h][r], -r))
+        by_bw = sorted(rest, key=lambda r: (-links.bw[h][r], r))
+        helper, returner = by_bw[0], by_bw[1]  # up and down on different connections (see hierarchical_all_reduce)
         others = [r for r in best_order(links, rest) if r != helper]
         groups = ((helper, h),) + tuple((r,) for r in others)
-        leaf = Choice(algo="leaf", groups=groups)
+        leaf = Choice(algo="leaf", groups=groups, back=((h, returner),))
         # from which size on the leaf beats the best ring (doubling sizes from 64 KB)
         ring = candidates[-1]
         min_bytes = next((1 << k for k in range(16, 34) if seconds(links, kind, leaf, 1 << k)
                           < SWITCH * seconds(links, kind, ring, 1 << k)), None)
         if min_bytes is not None:
-            candidates.append(Choice(algo="leaf", groups=groups, min_bytes=min_bytes))
+            candidates.append(Choice(algo="leaf", groups=groups, back=((h, returner),), min_bytes=min_bytes))
     return min(candidates, key=lambda c: seconds(links, kind, c, REFERENCE_BYTES))
 
 
@@ -171,8 +181,7 @@ class PlanState:
         evidence = {
             "reason": reason,
             "congested_links": [{"link": f"{i}-{j}", "bytes_per_s": round(b)} for i, j, b in links.congested],
-            "median_bytes_per_s": round(statistics.median(
-                [links.bw[i][j] for i in range(len(raw)) for j in range(len(raw)) if i != j] or [0])),
+            "healthy_bytes_per_s": round(max(links.cap)),
             "predicted_seconds_8mb": {k: {"native": round(seconds(links, k, NATIVE, REFERENCE_BYTES), 5),
                                           "plan": round(seconds(links, k, new[k], REFERENCE_BYTES), 5)}
                                       for k in KINDS},

@@ -90,15 +90,28 @@ def apply(bed: Testbed, specs: list[Congestion]) -> None:
 
 def _htb(ns: str, dev: str, default: str | None, pairs: dict[str, str]) -> None:
     # htb without a default class sends unmatched traffic straight out, unshaped
-    sh("tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", *(["default", "1"] if default else []), ns=ns)
+    sh("tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", *(["default", "3"] if default else []), ns=ns)
     if default:
+        # A shaped link carries data one way and the other way's ACKs: queued behind 256 KB of data, ACKs stall the
+        # reverse flow (no fq_codel or sfq in this kernel). Small packets get their own class, served first.
         sh("tc", "class", "add", "dev", dev, "parent", "1:", "classid", "1:1", "htb", "rate", default,
            "burst", BURST, "cburst", BURST, ns=ns)
+        for cid, share, prio in (("1:2", 0.1, "0"), ("1:3", 0.9, "1")):
+            sh("tc", "class", "add", "dev", dev, "parent", "1:1", "classid", cid, "htb",
+               "rate", _scaled(default, share), "ceil", default, "burst", BURST, "cburst", BURST, "prio", prio, ns=ns)
+        sh("tc", "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+           "match", "ip", "protocol", "6", "0xff", "match", "u16", "0x0000", "0xff80", "at", "2",
+           "flowid", "1:2", ns=ns)  # TCP packets under 128 bytes: ACKs
     for k, (dst, rate) in enumerate(sorted(pairs.items()), start=10):
         sh("tc", "class", "add", "dev", dev, "parent", "1:", "classid", f"1:{k}", "htb", "rate", rate,
            "burst", BURST, "cburst", BURST, ns=ns)
-        sh("tc", "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
+        sh("tc", "filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "2", "u32",
            "match", "ip", "dst", f"{dst}/32", "flowid", f"1:{k}", ns=ns)
+
+
+def _scaled(rate: str, share: float) -> str:
+    m = _RATE.match(rate)
+    return f"{max(1, int(float(rate[: m.start(2)]) * _UNITS[m.group(2)] * share))}bit"
 
 
 def clear(bed: Testbed) -> None:

@@ -68,13 +68,13 @@ def _check_rank(rank: int, p: int, port: int, queue) -> None:
             A.tree_broadcast(A.P2P(pg), t, root=root, kind=kind, chunk_bytes=CHUNK)
             src = torch.randn(numel, generator=torch.Generator().manual_seed(1000 * numel + root))
             close(f"tree_broadcast {kind} root={root} n={numel}", t, src)
-        groups_options = [[[r] for r in range(p)], [list(range(p))], [[p - 1] + list(range(p - 1))]]
-        if p >= 3:
-            groups_options.append([[1, 0], list(range(2, p))])
-        for groups in groups_options:
+        layouts = [([[r] for r in range(p)], {}), ([list(range(p))], {}), ([[p - 1] + list(range(p - 1))], {})]
+        if p >= 3:  # a leaf whose result comes back from another leader (the congested-host plan)
+            layouts.append(([[1, 0]] + [[r] for r in range(2, p)], {0: 2}))
+        for groups, back in layouts:
             t = x.clone()
-            A.hierarchical_all_reduce(A.P2P(pg), t, groups=groups, chunk_bytes=CHUNK)
-            close(f"hierarchical_all_reduce groups={groups} n={numel}", t, want)
+            A.hierarchical_all_reduce(A.P2P(pg), t, groups=groups, back=back, chunk_bytes=CHUNK)
+            close(f"hierarchical_all_reduce groups={groups} back={back} n={numel}", t, want)
     pg.barrier().wait()
     if rank == 0:
         queue.put(errors)
