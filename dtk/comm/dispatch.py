@@ -177,3 +177,17 @@ def _reordered(pg, kind: str, order: tuple[int, ...], a: dict):
     opts = dist.ReduceScatterOptions()
     opts.reduceOp = dist.ReduceOp.SUM
     return pg.reduce_scatter(a["tensors"], [[ins[order[k]] for k in range(p)]], opts)
+
+
+def step_boundary(step: int) -> list[dict]:
+    """Called by every rank after each committed step: each adaptive group may re-plan (nothing in native mode).
+    Returns the plan changes, for the run's events.jsonl."""
+    from dtk.comm.group import Seam
+
+    if Seam.failed_generation == Seam.generation:
+        return []  # a peer failed: recovery rebuilds the groups, and a rebuilt group starts native
+    events = []
+    for g in Seam.groups:
+        if g.router is not None:
+            events += g.router.boundary(step)
+    return events

@@ -12,7 +12,7 @@ CONGESTED = 0.25
 """A link is congested when it measures below this fraction of the reference link, the upper quartile (noise on a
 shared machine moves healthy links by 2x, a shaped one is 10x+ slower; a congested host slows half the links
 of 4, so the median would not do)."""
-SWITCH = 0.7
+SWITCH = 0.8
 """Change the plan only when the new one is predicted at most this fraction of the current one's time."""
 CLEAN_PROBES = 2
 """Consecutive probes without a congested link before going back to native."""
@@ -106,7 +106,7 @@ def leaf_seconds(links: Links, leaf: int, helper: int, rest: list[int], nbytes: 
     stream = nbytes / min(links.bw[leaf][helper], links.cap[leaf])
     inner = ring_seconds(links, rest, nbytes, 2 * (p - 2) / (p - 1)) if len(rest) > 1 else 0.0
     pieces = max(1.0, nbytes / PIECE_BYTES)
-    return max(stream, inner) * (1 + 2 / pieces) + P2P_OVERHEAD
+    return max(stream, inner) * (1 + 1 / pieces) + P2P_OVERHEAD  # one piece of fill and drain
 
 
 def seconds(links: Links, kind: str, choice: Choice, nbytes: float) -> float:
