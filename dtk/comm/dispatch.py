@@ -12,7 +12,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import _create_work_from_future
+from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions, _create_work_from_future
 
 from dtk.comm import algorithms
 from dtk.comm.monitor import LinkMonitor
@@ -50,8 +50,9 @@ class Router:
         if choice.algo == "native" or nbytes < choice.min_bytes or not _eligible(kind, a):
             return self._timed(kind, nbytes, native)
         if choice.algo == "reordered":
-            return self._timed(kind, nbytes, lambda g: _reordered(self._group(choice.order), kind, choice.order, a))
-        return lambda g: self._submit(lambda: self._leaf(choice, a["tensors"][0]))
+            return _guarded(self._timed(kind, nbytes, lambda g: _reordered(self._group(choice.order), kind,
+                                                                           choice.order, a)))
+        return _guarded(lambda g: self._submit(lambda: self._leaf(choice, a["tensors"][0])))
 
     def _timed(self, kind: str, nbytes: int, call):
         def run(g):
@@ -145,6 +146,18 @@ class Router:
         return [event]
 
 
+def _guarded(call):
+    """An error while issuing a dtk route becomes a failed work (the seam releases the step), never a raise."""
+    def run(g):
+        try:
+            return call(g)
+        except Exception as e:
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_exception(e)
+            return _create_work_from_future(fut)
+    return run
+
+
 def _max(pg, t: torch.Tensor) -> None:
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MAX
@@ -172,9 +185,9 @@ def _reordered(pg, kind: str, order: tuple[int, ...], a: dict):
         return pg.allreduce(a["tensors"], a["opts"])
     if kind == "all_gather":
         outs = a["outputs"] if a.get("outputs") is not None else list(a["output"].view(p, -1))
-        return pg.allgather([[outs[order[k]] for k in range(p)]], a["tensors"], dist.AllgatherOptions())
+        return pg.allgather([[outs[order[k]] for k in range(p)]], a["tensors"], AllgatherOptions())
     ins = a["inputs"] if a.get("inputs") is not None else list(a["input"].view(p, -1))
-    opts = dist.ReduceScatterOptions()
+    opts = ReduceScatterOptions()
     opts.reduceOp = dist.ReduceOp.SUM
     return pg.reduce_scatter(a["tensors"], [[ins[order[k]] for k in range(p)]], opts)
 

@@ -87,6 +87,8 @@ def _subnet(tag: str) -> tuple[int, int]:
 class Testbed:
     """N hosts on one bridge. `up()` builds it, `down()` removes every namespace, link, qdisc and process."""
 
+    __test__ = False  # not a pytest class, whatever its name
+
     n: int
     tag: str = field(default_factory=lambda: f"p{os.getpid()}")
     subnet: tuple[int, int] = (0, 0)
