@@ -268,9 +268,30 @@ def bench_comm(
     iters: Annotated[int, typer.Option(min=1)] = 5,
     warmup: Annotated[int, typer.Option(min=0)] = 2,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the rows to this JSON file.")] = None,
+    comm: Annotated[Optional[str], typer.Option(help="Comma list of comm modes (native, adaptive) to compare "
+                                                     "instead of native vs seam.")] = None,
+    testbed: Annotated[int, typer.Option(min=0, max=64, help="Run the ranks on an emulated network of N hosts "
+                                                            "(root; one rank per host).")] = 0,
+    congest: Annotated[Optional[list[str]], typer.Option(help="Congestion on the test bed, repeatable: "
+                                                              "pair=I-J,rate=R or host=I,rate=R.")] = None,
+    out_dir: Annotated[Optional[str], typer.Option("--out", help="Folder for bench.json and events.jsonl.")] = None,
 ) -> None:
-    """nccl-tests-like sweep: time, algbw and busbw per size, native backend vs dtk's seam."""
-    from dtk.comm.bench import parse_size, run_sweep
+    """nccl-tests-like sweep: time, algbw and busbw per size, native backend vs dtk's seam (or, with --comm,
+    comm modes side by side; with --testbed, on an emulated network, congested with --congest)."""
+    from dtk.comm.bench import parse_size, run_modes, run_sweep
+
+    if comm is not None or testbed or congest or out_dir:
+        kinds = [k.strip() for k in ops.split(",") if k.strip()]
+        bad = [k for k in kinds if k not in ("all_reduce", "all_gather", "reduce_scatter")]
+        if bad:
+            raise DtkError(f"--ops: got {bad[0]!r}; accepted: all_reduce, all_gather, reduce_scatter")
+        if testbed == 1:
+            raise DtkError("--testbed: got 1; accepted: 2..64 hosts (or 0 for local ranks)")
+        modes = [m.strip() for m in (comm or "native,adaptive").split(",") if m.strip()]
+        run_modes(nproc=nproc, kinds=kinds, min_bytes=parse_size(min_bytes, "--min-bytes"),
+                  max_bytes=parse_size(max_bytes, "--max-bytes"), iters=iters, warmup=warmup, modes=modes,
+                  out_dir=out_dir, testbed=testbed, congest=congest or [])
+        return
 
     kinds = [k.strip() for k in ops.split(",") if k.strip()]
     bad = [k for k in kinds if k not in ("all_reduce", "all_gather", "reduce_scatter")]
@@ -278,6 +299,68 @@ def bench_comm(
         raise DtkError(f"--ops: got {bad[0]!r}; accepted: all_reduce, all_gather, reduce_scatter")
     run_sweep(nproc=nproc, kinds=kinds, min_bytes=parse_size(min_bytes, "--min-bytes"),
               max_bytes=parse_size(max_bytes, "--max-bytes"), iters=iters, warmup=warmup, json_out=json_out)
+
+
+testbed_app = typer.Typer(no_args_is_help=True, help="An emulated multi-host network on this machine (root).")
+app.add_typer(testbed_app, name="testbed")
+NameOpt = Annotated[str, typer.Option("--name", help="The test bed's tag (namespaces dtk<name>h<I>).")]
+
+
+@testbed_app.command("up")
+def testbed_up(
+    hosts: Annotated[int, typer.Argument(min=2, max=64, help="Number of hosts.")],
+    name: NameOpt = "cli",
+    congest: Annotated[Optional[list[str]], typer.Option(help="pair=I-J,rate=R or host=I,rate=R; repeatable.")] = None,
+) -> None:
+    """Create N hosts (namespaces on a bridge, 10.x addresses), optionally congested; stays up until `down`."""
+    from dtk.testbed import shape
+    from dtk.testbed.net import Testbed, check_environment
+
+    check_environment()
+    specs = [shape.parse(c, hosts=hosts) for c in congest or []]
+    bed = Testbed(n=hosts, tag=name, owner=0).up()
+    try:
+        shape.apply(bed, specs)
+    except BaseException:
+        bed.down()
+        raise
+    out.print(f"test bed {name!r}: {hosts} hosts " + ", ".join(f"{bed.host(i)}={bed.ip(i)}" for i in range(hosts))
+              + f"; launcher side {bed.root_link}={bed.root_ip}" + (f"; congested: {', '.join(congest)}" if congest else ""))
+    out.print(f"run a command on host 0: ip netns exec {bed.host(0)} <cmd>   (GLOO_SOCKET_IFNAME=eth0)")
+
+
+@testbed_app.command("down")
+def testbed_down(
+    name: NameOpt = "cli",
+    all_: Annotated[bool, typer.Option("--all", help="Every dtk test bed on this machine.")] = False,
+    stale: Annotated[bool, typer.Option(help="Only those whose owning process is gone.")] = False,
+) -> None:
+    """Remove a test bed: its processes, namespaces, links and qdiscs."""
+    from dtk.testbed.net import check_environment, remove_stale, status, teardown
+
+    check_environment()
+    if stale:
+        gone = remove_stale()
+    else:
+        gone = [s["tag"] for s in status()] if all_ else [name]
+        for tag in gone:
+            teardown(tag)
+    out.print(f"removed: {', '.join(gone) or 'nothing'}")
+
+
+@testbed_app.command("status")
+def testbed_status() -> None:
+    """The dtk test beds on this machine, their hosts and the congestion in force."""
+    from dtk.testbed.net import check_environment, status
+
+    check_environment()
+    rows = status()
+    if not rows:
+        out.print("no dtk test bed is up")
+    for s in rows:
+        subnet = f"10.{s['subnet'][0]}.{s['subnet'][1]}.0/24" if s.get("subnet") else "?"
+        owner = "" if not s["owner"] else f", owner pid {s['owner']}" + (" (gone: stale)" if s["stale"] else "")
+        out.print(f"{s['tag']}: {s['hosts']} hosts, {subnet}{owner}; congestion: {', '.join(s['shaping']) or 'none'}")
 
 
 def main() -> None:

@@ -132,6 +132,9 @@ class ResilienceConfig(Section):
 class CommConfig(Section):
     regroup_at: list[int] = []
     """Steps after which every rank rebuilds its inner process group in place (a planned reconfiguration)."""
+    mode: Literal["native", "adaptive"] = "native"
+    """native: every collective is the backend's own. adaptive: the comm planner watches the links and, when one
+    is congested, runs all-reduce / all-gather / reduce-scatter another way (ring order, hierarchical), same result."""
 
 
 class Recipe(Section):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dtk.comm.dispatch import step_boundary as comm_boundary
 from dtk.comm.group import Seam
 from dtk.metrics import MetricsWriter
 from dtk.resilience import checkpoint, inplace
@@ -154,6 +155,9 @@ class Trainer:
             self.control.step_seconds = record["step_seconds"]
             if self.writer:
                 self.writer.write(record)
+            for event in comm_boundary(step):  # comm.mode adaptive: the planner may change the plan here
+                if self.writer:
+                    self.writer.event(event)
             if r.checkpoint.every and step % r.checkpoint.every == 0:
                 self.control.phase = "checkpoint"
                 checkpoint.save(self.engine, step=step, run_dir=self.run_dir, keep=r.checkpoint.keep)

@@ -79,7 +79,7 @@ def run_rank() -> None:
     torch.set_num_threads(recipe.world.threads_per_rank)
     device = _device(recipe, local_rank)
     use_nccl = device.type == "cuda" and recipe.world.backend != "gloo"
-    register(use_nccl=use_nccl)
+    register(use_nccl=use_nccl, comm_mode=recipe.comm.mode)
     Seam.joining = join is not None or shadow_id is not None
     Seam.generation = int(join or 0)
     store = connect(os.environ["DTK_STORE"])

@@ -191,3 +191,132 @@ def run_sweep(*, nproc: int, kinds: list[str], min_bytes: int, max_bytes: int, i
                 "units": {"algbw_gbps": "1e9 bytes/s", "size_bytes": "nccl-tests size"}}
         Path(json_out).write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
     return rows
+
+
+# -- comm modes side by side: native vs adaptive, locally or on the test bed under congestion --------------------
+
+MODES = ("native", "adaptive")
+
+
+def _modes_rank(rank: int, nproc: int, port: int, queue, kinds, byte_sizes, iters: int, warmup: int, modes,
+                bed_state) -> None:
+    import os
+
+    if bed_state is not None:  # before torch starts threads: every thread it starts inherits the namespace
+        from dtk.testbed.net import Testbed
+
+        bed = Testbed(n=nproc, tag=bed_state["tag"], subnet=tuple(bed_state["subnet"]))
+        bed.enter(rank)
+        host = bed.root_ip
+    else:
+        host = "127.0.0.1"
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+    import torch
+    import torch.distributed as dist
+
+    from dtk.comm.group import Seam, register
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=300))
+    dist.init_process_group("gloo", store=dist.PrefixStore("bench", store), rank=rank, world_size=nproc)
+    register()
+    groups, routers = {}, {}
+    for mode in modes:
+        Seam.comm_mode = mode
+        groups[mode] = dist.new_group(backend="dtk")
+        routers[mode] = Seam.groups[-1].router
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    native = dist.group.WORLD
+    events: list[dict] = []
+    rows = []
+    t_start = time.time()
+    for i, size in enumerate(byte_sizes):
+        count = max(nproc, size // 4 // nproc * nproc)
+        full = torch.ones(count)
+        part = torch.ones(count // nproc)
+        ops = {"all_reduce": lambda g: dist.all_reduce(full, group=g),
+               "all_gather": lambda g: all_gather(full, part, group=g),
+               "reduce_scatter": lambda g: reduce_scatter(part, full, group=g)}
+        order = list(modes) if i % 2 == 0 else list(reversed(modes))
+        for kind in kinds:
+            for mode in order:
+                for _ in range(warmup):
+                    ops[kind](groups[mode])
+                router = routers[mode]
+                if router is not None:  # a step boundary: the planner may probe and change the plan here
+                    for e in router.boundary(step=i):
+                        events.append({**e, "bench_size_bytes": count * 4, "bench_kind": kind})
+                seconds = _timed(ops[kind], iters, groups[mode], native)
+                algbw = count * 4 / seconds / 1e9
+                plan = router.state.plan[kind].describe() if router is not None else "native"
+                rows.append({"comm": mode, "kind": kind, "size_bytes": count * 4, "time_s": seconds,
+                             "algbw_gbps": algbw, "busbw_gbps": algbw * bus_factor(kind, nproc), "plan": plan})
+    dist.barrier()
+    if rank == 0:
+        queue.put({"rows": rows, "events": events, "seconds": time.time() - t_start})
+    dist.destroy_process_group()
+
+
+def run_modes(*, nproc: int, kinds: list[str], min_bytes: int, max_bytes: int, iters: int, warmup: int,
+              modes: list[str], out_dir: str | None, testbed: int = 0, congest: list[str] = (),
+              show: bool = True) -> list[dict]:
+    """The sweep for each comm mode (native, adaptive) in the same ranks, on local ranks or on a test bed of
+    `testbed` hosts under `congest`; writes out_dir/bench.json (rows) and out_dir/events.jsonl (plan changes)."""
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise DtkError(f"--comm: got {bad[0] if bad else 'nothing'!r}; accepted: a comma list of {', '.join(MODES)}")
+    if congest and not testbed:
+        raise DtkError(f"--congest: got {congest[0]!r} without --testbed; congestion needs the test bed (--testbed N)")
+    if min_bytes > max_bytes:
+        raise DtkError(f"--min-bytes: got {min_bytes} bytes, above --max-bytes ({max_bytes}); accepted: min <= max")
+    out = Path(out_dir) if out_dir else None
+    if out is not None:
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise DtkError(f"--out: got '{out_dir}'; cannot create it ({e.strerror})") from None
+    byte_sizes = sizes(min_bytes, max_bytes)
+    args = (list(kinds), byte_sizes, iters, warmup, list(modes))
+    if testbed:
+        from dtk.testbed import shape
+        from dtk.testbed.net import Testbed, check_environment
+
+        check_environment()
+        specs = [shape.parse(c, hosts=testbed) for c in congest]
+        nproc = testbed
+        with Testbed(n=testbed) as bed:
+            shape.apply(bed, specs)
+            result = spawn_ranks(_modes_rank, nproc=nproc, args=(*args, {"tag": bed.tag, "subnet": bed.subnet}))
+    else:
+        result = spawn_ranks(_modes_rank, nproc=nproc, args=(*args, None))
+    rows = result["rows"]
+    where = f"test bed of {testbed} hosts" + (f", congested: {'; '.join(congest)}" if congest else ", unshaped") \
+        if testbed else f"{nproc} local ranks"
+    if show:
+        _print_modes(rows, modes, title=f"comm modes on a {where} ({iters} iters after {warmup} warm-up)")
+    if out is not None:
+        meta = {"nproc": nproc, "testbed": testbed, "congest": list(congest), "iters": iters, "warmup": warmup,
+                "time": "mean seconds per op over iters, slowest rank", "units": {"algbw_gbps": "1e9 bytes/s"}}
+        (out / "bench.json").write_text(json.dumps({**meta, "rows": rows}, indent=2) + "\n")
+        (out / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in result["events"]))
+    return rows
+
+
+def _print_modes(rows: list[dict], modes, *, title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    cols = ["size", "op"] + [c for m in modes for c in (f"{m} algbw GB/s",)] + (
+        ["adaptive/native", "adaptive plan"] if set(modes) == set(MODES) else [])
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("op", "adaptive plan") else "right")
+    by = {(r["kind"], r["size_bytes"], r["comm"]): r for r in rows}
+    for kind, size in dict.fromkeys((r["kind"], r["size_bytes"]) for r in rows):
+        cells = [human_size(size), kind] + [f"{by[(kind, size, m)]['algbw_gbps']:.4f}" for m in modes]
+        if set(modes) == set(MODES):
+            a, n = by[(kind, size, "adaptive")], by[(kind, size, "native")]
+            cells += [f"{a['algbw_gbps'] / n['algbw_gbps']:.2f}x", a["plan"]]
+        table.add_row(*cells)
+    Console(width=None if sys.stdout.isatty() else 160).print(table)

@@ -91,6 +91,8 @@ class Seam:
     failed_at = 0.0
     """Wall-clock time at which this process's collectives were released (the seam saw the failure)."""
     generation = 0
+    comm_mode = "native"
+    """recipe comm.mode: "adaptive" gives each DtkGroup a router (dtk.comm.dispatch) that follows the planner."""
     joining = False
     """True in a process that is built before it joins a running job: its groups stay local until reconfigured."""
     _counting = threading.local()
@@ -292,6 +294,7 @@ class DtkGroup(dist.ProcessGroup):
         self._world = size
         self._name = self._desc = ""
         self.outstanding: set[SeamWork] = set()
+        self.router = None
         if not Seam.joining:
             self.rebuild(Seam.generation)
         Seam.groups.append(self)
@@ -335,6 +338,11 @@ class DtkGroup(dist.ProcessGroup):
         self._inner_cpu = dist.ProcessGroupGloo(dist.PrefixStore("cpu", store), self.rank(), self.size(), self._timeout)
         self._inner_cuda = None
         self.waiter = Waiter()  # a fresh one: the old one may sit on an op blocked on a dead peer
+        self.router = None
+        if Seam.comm_mode == "adaptive" and self.size() > 1:  # a new generation starts native and re-plans
+            from dtk.comm.dispatch import Router
+            self.router = Router(store=self._store, rank=self.rank(), size=self.size(), timeout=self._timeout,
+                                 generation=generation)
         if self._use_nccl:
             opts = dist.ProcessGroupNCCL.Options()
             opts._timeout = self._timeout
@@ -366,9 +374,17 @@ class DtkGroup(dist.ProcessGroup):
             return SeamWork(self, kind, result, None)
         return SeamWork(self, kind if counting else "", result, call(inner))
 
+    def _route(self, kind: str, native, **call):
+        """The one place where comm.mode adaptive changes what runs: the planner's way for this call (an algorithm
+        or a renumbered group), else `native`. Either way the seam's _run completes it and never raises."""
+        if self.router is None:
+            return native
+        return self.router.route(kind, native, **call)
+
     # -- collectives the C++ side routes to Python --
     def allreduce(self, tensors, opts):
-        return self._run("all_reduce", tensors, tensors, lambda g: g.allreduce(tensors, opts))
+        return self._run("all_reduce", tensors, tensors, self._route(
+            "all_reduce", lambda g: g.allreduce(tensors, opts), tensors=tensors, opts=opts, nbytes=_nbytes(tensors)))
 
     def allreduce_coalesced(self, tensors, opts):
         return self._run("all_reduce", tensors, tensors, lambda g: g.allreduce_coalesced(tensors, opts))
@@ -381,8 +397,10 @@ class DtkGroup(dist.ProcessGroup):
 
     def allgather(self, output_lists, inputs, opts):
         size = sum(_nbytes(o) for o in output_lists)
-        return self._run("all_gather", inputs, output_lists, lambda g: g.allgather(output_lists, inputs, opts),
-                         size_bytes=size, local=lambda: _fill_lists(output_lists, inputs))
+        return self._run("all_gather", inputs, output_lists, self._route(
+            "all_gather", lambda g: g.allgather(output_lists, inputs, opts), tensors=inputs,
+            outputs=output_lists[0] if len(output_lists) == 1 else None, nbytes=size),
+            size_bytes=size, local=lambda: _fill_lists(output_lists, inputs))
 
     def allgather_coalesced(self, output_lists, inputs, opts):
         size = sum(_nbytes(o) for o in output_lists)
@@ -391,18 +409,23 @@ class DtkGroup(dist.ProcessGroup):
 
     def reduce_scatter(self, outputs, input_lists, opts):
         size = sum(_nbytes(i) for i in input_lists)
-        return self._run("reduce_scatter", outputs, outputs, lambda g: g.reduce_scatter(outputs, input_lists, opts), size_bytes=size)
+        return self._run("reduce_scatter", outputs, outputs, self._route(
+            "reduce_scatter", lambda g: g.reduce_scatter(outputs, input_lists, opts), tensors=outputs, opts=opts,
+            inputs=input_lists[0] if len(input_lists) == 1 else None, nbytes=size), size_bytes=size)
 
     def all_gather_single(self, output, input, opts=None):
         opts = opts or dist.AllgatherOptions()
-        return self._run("all_gather", [input], [output], lambda g: g._allgather_base(output, input, opts),
-                         size_bytes=_nbytes([output]), local=lambda: _fill_flat(output, input))
+        return self._run("all_gather", [input], [output], self._route(
+            "all_gather", lambda g: g._allgather_base(output, input, opts), tensors=[input], output=output,
+            nbytes=_nbytes([output])), size_bytes=_nbytes([output]), local=lambda: _fill_flat(output, input))
 
     _allgather_base = all_gather_single
 
     def reduce_scatter_single(self, output, input, opts=None):
         opts = opts or dist.ReduceScatterOptions()
-        return self._run("reduce_scatter", [output], [output], lambda g: g._reduce_scatter_base(output, input, opts), size_bytes=_nbytes([input]))
+        return self._run("reduce_scatter", [output], [output], self._route(
+            "reduce_scatter", lambda g: g._reduce_scatter_base(output, input, opts), tensors=[output], opts=opts,
+            input=input, nbytes=_nbytes([input])), size_bytes=_nbytes([input]))
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -464,9 +487,10 @@ class _Registered:
     use_nccl = False
 
 
-def register(*, use_nccl: bool = False) -> None:
+def register(*, use_nccl: bool = False, comm_mode: str = "native") -> None:
     """Make `dist.init_process_group("dtk")` and `new_group(backend="dtk")` create DtkGroups."""
     _Registered.use_nccl = use_nccl
+    Seam.comm_mode = comm_mode
     if not _Registered.done:
         devices = ["cpu", "cuda"] if use_nccl else ["cpu"]
         dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=devices)

@@ -27,6 +27,7 @@ FAULTS: dict[str, str] = {
     "hang": "the rank stays alive but stops making progress (blocked before its next collective)",
     "slow": "straggler: from that step on the rank's steps take `factor` times longer (default 3)",
     "corrupt": "flip one bit in one tensor of the rank's local state (caught by the state checksum)",
+    "congest": "test bed only: shape a host's link (host=I) or one path (pair=I-J) to rate=R (dtk.testbed.shape)",
 }
 PHASES = ("forward", "backward", "optimizer", "recovery")
 """recovery: while the rank takes part in an in-place recovery, after the regroup and before the state is sent."""
@@ -56,6 +57,12 @@ def parse(spec: str, *, world: int, fault_id: str, flag: str = "--fault") -> Fau
     kind, _, rest = spec.partition(":")
     if kind not in FAULTS:
         raise DtkError(f"{flag}: got {spec!r}; the fault must be one of {', '.join(FAULTS)}")
+    if kind == "congest":  # applied by the launcher on its test bed, never inside a rank
+        from dtk.testbed.shape import parse as parse_congestion
+
+        parse_congestion(spec, hosts=world, flag=flag)
+        raise DtkError(f"{flag}: got {spec!r}; congest needs ranks on the test bed, which `dtk train` does not start "
+                       "yet; `dtk bench comm --testbed N --congest ...` does")
     fields: dict[str, str] = {}
     for item in filter(None, rest.split(",")):
         key, sep, value = item.partition("=")
