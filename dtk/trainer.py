@@ -19,6 +19,7 @@ from dtk.metrics import MetricsWriter
 from dtk.resilience import checkpoint, inplace
 from dtk.resilience.control import Control
 from dtk.resilience.faults import CORRUPT_EXIT, Injector, checksum
+from dtk.strategies.base import logits_of
 
 log = logging.getLogger(__name__)
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
@@ -55,6 +56,7 @@ class Trainer:
         self.engine.module.register_forward_hook(self._arm_backward_fault)
 
     def _arm_backward_fault(self, module, inputs, output) -> None:
+        output = logits_of(output)  # transformers models return a ModelOutput
         if isinstance(output, torch.Tensor) and output.requires_grad and self.injector.pending:
             step = self.injector.step
             output.register_hook(lambda grad: self.injector.at(step, "backward"))
