@@ -19,9 +19,21 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class HFModelConfig(Section):
+    model_type: str | None = None
+    """A transformers model type with a causal LM (gpt2, llama, mistral, ...), built from its config with fresh
+    weights."""
+    path: str | None = None
+    """A local folder holding config.json (as `save_pretrained` writes it); weights in it are loaded. Never a hub
+    name: dtk downloads nothing."""
+    config: dict[str, Any] = {}
+    """Config fields (n_layer, hidden_size, ...) over the model type's defaults or the folder's config.json.
+    vocab_size and the context length default to the data's; use_cache defaults to false (training)."""
+
+
 class ModelConfig(Section):
     name: Literal["gpt", "mlp", "cnn"] = "gpt"
-    """Built-in model; ignored when `target` is set."""
+    """Built-in model; ignored when `target` or `hf` is set."""
     target: str | None = None
     """A user model as `package.module:function`; the function takes the data spec and returns an nn.Module."""
     layers: int = Field(2, ge=1)
@@ -31,6 +43,8 @@ class ModelConfig(Section):
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
     kwargs: dict[str, Any] = {}
     """Extra keyword arguments for a `target` model."""
+    hf: HFModelConfig | None = None
+    """A HuggingFace transformers causal LM (needs the hf extra: pip install -e ".[hf]")."""
 
 
 class DataConfig(Section):
@@ -51,6 +65,9 @@ class StrategyConfig(Section):
     """zero1/2/3: keep optimizer states in host memory and step them with DeepSpeedCPUAdam."""
     bucket_mb: float = Field(25.0, gt=0)
     """Gradient bucket size for ddp."""
+    wrap: list[str] = []
+    """fsdp: class names of the submodules sharded one by one (e.g. [GPT2Block]); default: the model's
+    `_no_split_modules` (transformers), else the members of its largest nn.ModuleList of repeated blocks."""
 
 
 class OptimizerConfig(Section):
@@ -182,7 +199,9 @@ def _semantic_lines(r: Recipe) -> list[str]:
     """Checks that span fields; each line names the field to change."""
     lines = []
     token_data = r.data.name in ("synthetic", "text")
-    if r.model.target is None:
+    if r.model.hf is not None:
+        lines += _hf_lines(r, token_data)
+    elif r.model.target is None:
         if r.model.name == "gpt" and not token_data:
             lines.append(f"model.name: 'gpt' cannot read data.name {r.data.name!r}; accepted data: synthetic, text")
         if r.model.name in ("mlp", "cnn") and token_data:
@@ -208,6 +227,25 @@ def _semantic_lines(r: Recipe) -> list[str]:
     if bad:
         lines.append(f"comm.regroup_at: got {bad}; steps must lie in 1..{r.training.steps - 1}")
     return lines
+
+
+def _hf_lines(r: Recipe, token_data: bool) -> list[str]:
+    """model.hf: the checks that need no model first; transformers' own only when nothing else is wrong."""
+    hf, lines = r.model.hf, []
+    if r.model.target:
+        lines.append(f"model.target: got {r.model.target!r} and model.hf; accepted: one of them")
+    if (hf.model_type is None) == (hf.path is None):
+        lines.append("model.hf: give model_type (a config from scratch) or path (a local folder), exactly one")
+    elif hf.path is not None and not (Path(hf.path) / "config.json").is_file():
+        lines.append(f"model.hf.path: got {hf.path!r}; no config.json in it; accepted: a local folder holding "
+                     "config.json, as save_pretrained writes it")
+    if not token_data:
+        lines.append(f"model.hf: a causal LM reads tokens, not data.name {r.data.name!r}; accepted data: synthetic, text")
+    if lines or (r.data.name == "text" and not (r.data.path and Path(r.data.path).is_file())):
+        return lines
+    from dtk.models.hf import recipe_problems  # imports transformers (and torch): only for an hf recipe
+
+    return recipe_problems(r)
 
 
 def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:

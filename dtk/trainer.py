@@ -20,6 +20,7 @@ from dtk.metrics import MetricsWriter
 from dtk.resilience import checkpoint, inplace
 from dtk.resilience.control import Control
 from dtk.resilience.faults import CORRUPT_EXIT, Injector, checksum
+from dtk.strategies.base import logits_of
 from dtk.strategies.memory import model_state_bytes
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class Trainer:
         self.engine.module.register_forward_hook(self._arm_backward_fault)
 
     def _arm_backward_fault(self, module, inputs, output) -> None:
+        output = logits_of(output)  # transformers models return a ModelOutput
         if isinstance(output, torch.Tensor) and output.requires_grad and self.injector.pending:
             step = self.injector.step
             output.register_hook(lambda grad: self.injector.at(step, "backward"))

@@ -1,4 +1,4 @@
-"""Model registry: built-in models by name, or a user's `package.module:function`."""
+"""Model registry: built-in models by name, a user's `package.module:function`, or a transformers model (model.hf)."""
 from __future__ import annotations
 
 import importlib
@@ -12,6 +12,7 @@ from dtk.errors import DtkError
 from dtk.models.cnn import build_cnn
 from dtk.models.gpt import build_gpt
 from dtk.models.mlp import build_mlp
+from dtk.models.wrap import WrapUnits, find_wrap_units
 
 MODELS: dict[str, tuple[Callable, str]] = {
     "gpt": (build_gpt, "tiny GPT (causal self-attention); layers, width, heads; reads tokens"),
@@ -35,12 +36,16 @@ def _import_target(target: str) -> Callable:
 def build_model(cfg, spec: DataSpec, *, seed: int) -> nn.Module:
     """The same seed gives the same weights on every rank and under every strategy."""
     torch.manual_seed(seed)
+    if cfg.hf is not None:
+        from dtk.models.hf import build_hf  # transformers is an optional extra
+
+        return build_hf(cfg.hf, spec)
     if cfg.target:
         return _import_target(cfg.target)(spec, **cfg.kwargs)
     build, _ = MODELS[cfg.name]
     return build(cfg, spec)
 
 
-def shard_units(model: nn.Module) -> list[nn.Module]:
-    """The submodules FSDP wraps one by one (each built-in model lists its blocks); the root is wrapped last."""
-    return list(getattr(model, "blocks", []))
+def shard_units(model: nn.Module, *, names: list[str] | tuple[str, ...] = ()) -> WrapUnits:
+    """The submodules FSDP wraps one by one (see dtk.models.wrap); the root is wrapped last."""
+    return find_wrap_units(model, names=names)

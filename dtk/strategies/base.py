@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dtk.errors import DtkError
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class BuildContext:
@@ -48,7 +50,23 @@ class Engine(Protocol):
         Every rank calls it together on a restart; a joining rank calls it on its local group."""
 
 
-def loss_fn(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def logits_of(output) -> torch.Tensor:
+    """A model's output as logits: a tensor, an object with `.logits` (transformers' ModelOutput) or a dict with
+    "logits", or a tuple's first item."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = output.get("logits") if isinstance(output, dict) else getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise DtkError(f"model: forward returned a {type(output).__name__}; accepted: a tensor of logits, an object "
+                   "with .logits (or a dict with 'logits'), or a tuple whose first item is the logits")
+
+
+def loss_fn(output, y: torch.Tensor) -> torch.Tensor:
+    """Every strategy's loss: cross-entropy of the model's logits (whatever shape its output comes in)."""
+    logits = logits_of(output)
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
 
 

@@ -2,14 +2,19 @@
 `strategy.reshard_after_forward: false` keeps parameters gathered between forward and backward (ZeRO-2 like)."""
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from dtk.metrics import append_event
 from dtk.models import shard_units
 from dtk.strategies.base import (BuildContext, build_torch_optimizer, clip_and_step, load_torch_checkpoint_state,
                                  loss_fn, materialize_optimizer_state, optimizer_tensors, torch_checkpoint_state)
+
+log = logging.getLogger(__name__)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -26,8 +31,13 @@ class FSDPEngine:
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         model = ctx.model_factory().to(ctx.device)
         reshard = r.strategy.reshard_after_forward
-        for unit in shard_units(model):
+        self.wrap_units = units = shard_units(model, names=r.strategy.wrap)
+        for unit in units.modules:
             fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+        if ctx.group.rank() == 0:
+            log.info("fsdp wrap units: %s", units.describe())
+            if r.output.dir:  # the run folder; report.py puts the last such event in summary.json
+                append_event(r.output.dir, {"event": "fsdp_wrap_units", **units.summary()})
         self.module = fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
         self.optimizer = build_torch_optimizer(self.module.parameters(), r.optimizer)
 
