@@ -20,6 +20,7 @@ from torch.nn.utils import parameters_to_vector
 
 from dtk.data import build_dataset
 from dtk.data.clients import build_federation
+from dtk.errors import DtkError
 from dtk.models import layers_in_order
 from dtk.strategies.base import (BuildContext, autocast, build_torch_optimizer, load_torch_checkpoint_state, loss_fn,
                                  materialize_optimizer_state, optimizer_tensors, torch_checkpoint_state)
@@ -88,6 +89,9 @@ class GCPSLEngine:
         self.group, self.device, self.serial = ctx.group, ctx.device, serial
         self.rank, world = ctx.group.rank(), ctx.group.size()
         clusters = s.clusters or (1 if serial else world)
+        if clusters != world and not serial:  # the recipe checks world.nproc; this also holds across nodes
+            raise DtkError(f"strategy.clusters: got {clusters}; gcpsl runs one cluster per rank and this run has "
+                           f"{world} ranks; accepted: {world}")
         data = build_dataset(r.data, seed=r.training.seed)
         self.train_x, self.train_y = data.train_images, data.train_labels
         self.test_x, self.test_y = data.test_images, data.test_labels
