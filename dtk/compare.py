@@ -16,7 +16,9 @@ from dtk import recipe as recipes
 from dtk.errors import DtkError
 from dtk.report import human_bytes
 
-STRATEGY_NAMES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
+STRATEGY_NAMES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "gcpsl", "gcpsl_serial")
+# the serial split-learning baseline runs every cluster on one rank, whatever the recipe's world
+EXTRA_OVERRIDES = {"gcpsl_serial": ["world.nproc=1"]}
 # Every variant trains on the same seed, data and steps; the compare folder owns the run folders.
 SHARED_KEYS = ("training.seed", "training.steps", "data", "output")
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*$")
@@ -41,7 +43,8 @@ def parse_strategies(value: str) -> list[Variant]:
         if name not in STRATEGY_NAMES:
             raise DtkError(f"--strategies: got {name!r} in {value!r}; accepted: a comma list of "
                            f"{', '.join(STRATEGY_NAMES)}")
-    return [Variant(name=n, overrides=[f"strategy.name={n}"], flag=f"--strategies {value}") for n in names]
+    return [Variant(name=n, overrides=[f"strategy.name={n}", *EXTRA_OVERRIDES.get(n, [])], flag=f"--strategies {value}")
+            for n in names]
 
 
 def parse_variant(value: str) -> Variant:
@@ -64,7 +67,7 @@ def resolve(recipe_path: str, overrides: list[str], *, strategies: str | None,
             variant_flags: list[str]) -> list[Variant]:
     """All variants, validated before anything runs; each recipe = file + overrides + the variant's overrides."""
     tree = recipes.read_file(recipe_path)
-    recipes.build(tree, overrides)  # the shared part's own mistakes, reported without a variant's name
+    shared = recipes.build(tree, overrides)  # the shared part's own mistakes, reported without a variant's name
     variants = (parse_strategies(strategies) if strategies else []) + [parse_variant(v) for v in variant_flags]
     if len(variants) < 2:
         raise DtkError(f"--strategies/--variant: got {len(variants)} variant(s); accepted: two or more, e.g. "
@@ -74,6 +77,8 @@ def resolve(recipe_path: str, overrides: list[str], *, strategies: str | None,
         if v.name in seen:
             raise DtkError(f"{v.flag.split()[0]}: variant name {v.name!r} given twice; accepted: distinct names")
         seen.add(v.name)
+        if "strategy.name=gcpsl_serial" in v.overrides and shared.strategy.clusters is None:
+            v.overrides.append(f"strategy.clusters={shared.world.nproc}")  # the clusters gcpsl would run, one per rank
         try:
             v.recipe = recipes.build(tree, [*overrides, *v.overrides])
         except DtkError as e:
@@ -114,6 +119,9 @@ def model_state_analytic(recipe: recipes.Recipe, *, params: int, world: int) -> 
     backward, which is what the peak sees; gradients and optimizer states stay sharded."""
     p, g, k = _state_bytes(recipe)
     name = recipe.strategy.name
+    if name.startswith("gcpsl"):  # every rank holds whole client + server segments for each cluster it runs
+        clusters = (recipe.strategy.clusters or 1) if name == "gcpsl_serial" else 1
+        return params * (p + g + k) * clusters, f"{clusters}×{p + g + k}Ψ" if clusters > 1 else f"{p + g + k}Ψ"
     if name == "fsdp":
         name = "zero3" if recipe.strategy.reshard_after_forward else "zero2"
     whole, sharded = {"ddp": (p + g + k, 0), "zero1": (p + g, k), "zero2": (p, g + k), "zero3": (0, p + g + k)}[name]
@@ -127,6 +135,10 @@ def comm_analytic(recipe: recipes.Recipe, *, params: int, world: int) -> tuple[f
     step where the strategy defers them to the last micro-step (ddp, fsdp, zero1), once per micro-step otherwise."""
     s, accum = recipe.strategy, recipe.training.grad_accum
     bf16 = recipe.training.precision == "bf16"
+    if s.name == "gcpsl_serial":
+        return 0.0, "0"
+    if s.name == "gcpsl":  # one all-reduce of the fp32 segments every merge_every steps
+        return params * 2 * 4 * (world - 1) / world / s.merge_every, f"2Ψ/{s.merge_every}"
     if s.name == "ddp":
         terms = [(2, 4)]  # all-reduce of fp32 gradients (autocast keeps fp32 parameters)
     elif s.name == "fsdp":  # all-gather in param_dtype (forward, and again in backward when resharded); fp32 reduce
@@ -163,13 +175,20 @@ class Comparison:
     def done(self) -> list[dict]:
         return [v for v in self.variants if v["status"] == "completed"]
 
+    @property
+    def learning(self) -> bool:
+        """True when some variant measured held-out accuracy (gcpsl): the table gains its columns."""
+        return any(v.get("accuracy") is not None for v in self.variants)
+
     def verdict(self) -> dict[str, str]:
         done = self.done
         if not done:
             return {}
         return {"fastest": max(done, key=lambda v: v["throughput"])["variant"],
                 "leanest_memory": min(done, key=_memory)["variant"],
-                "least_traffic": min(done, key=lambda v: v["comm_bytes_per_step"])["variant"]}
+                "least_traffic": min(done, key=lambda v: v["comm_bytes_per_step"])["variant"],
+                **({"first_to_target": min(reached, key=lambda v: v["time_to_target_s"])["variant"]}
+                   if (reached := [v for v in done if v.get("time_to_target_s") is not None]) else {})}
 
     def parity_failures(self) -> list[dict]:
         tol = self.parity_tolerance
@@ -232,6 +251,11 @@ def _record(v: Variant, *, code: int, run_dir: Path, params: int, world: int) ->
         "productive_time_ratio": summary.get("productive_time_ratio"),
         "losses": summary.get("losses", []),
         "max_rel_loss_diff": None,
+        "accuracy": summary.get("accuracy"),
+        "best_accuracy": summary.get("best_accuracy"),
+        "participation": summary.get("participation"),
+        "target_accuracy": summary.get("target_accuracy"),
+        "time_to_target_s": summary.get("time_to_target_s"),
     }
 
 
@@ -302,7 +326,14 @@ def rows(comparison: Comparison, *, sep: str = "\n") -> list[list[str]]:
         ] + ([f"{v['downtime_s']:.2f}" if ok else "—", str(v["steps_lost"]) if ok else "—",
               f"{v['productive_time_ratio']:.3f}" if ok and v["productive_time_ratio"] is not None else "—"]
              if comparison.faults else []))
+        if comparison.learning:
+            out[-1] += [_share(v.get("accuracy")), _share(v.get("participation")),
+                        "—" if v.get("time_to_target_s") is None else f"{v['time_to_target_s']:.2f}"]
     return out
+
+
+def _share(x: float | None) -> str:
+    return "—" if x is None else f"{100 * x:.1f}%"
 
 
 def headers(comparison: Comparison, *, sep: str = "\n") -> list[str]:
@@ -310,7 +341,14 @@ def headers(comparison: Comparison, *, sep: str = "\n") -> list[str]:
     return ["variant", f"throughput{sep}{_unit(comparison)}", f"step ms{sep}p50 / p95", f"peak memory{sep}measured",
             f"model states{sep}measured", f"model states{sep}analytic", f"comm / step{sep}measured",
             f"comm / step{sep}analytic", f"final{sep}loss", f"max rel. loss{sep}diff vs {first}"] + (
-        [f"downtime{sep}s", f"steps{sep}lost", f"productive{sep}time ratio"] if comparison.faults else [])
+        [f"downtime{sep}s", f"steps{sep}lost", f"productive{sep}time ratio"] if comparison.faults else []) + (
+        [f"accuracy{sep}held-out", f"direct{sep}participation", f"s to target{sep}{_target(comparison)}"]
+        if comparison.learning else [])
+
+
+def _target(comparison: Comparison) -> str:
+    targets = {v.get("target_accuracy") for v in comparison.variants} - {None}
+    return f"{100 * targets.pop():.0f}%" if len(targets) == 1 else "accuracy"
 
 
 def notes(comparison: Comparison) -> list[str]:
@@ -336,6 +374,10 @@ def notes(comparison: Comparison) -> list[str]:
         lines.append(f"Every variant got the same faults: {', '.join(comparison.faults)}. Downtime: from each fault to "
                      "the completion, after recovery, of the step it interrupted (summed); productive time ratio: "
                      "useful step time / wall time.")
+    if comparison.learning:
+        lines.append("Split learning (gcpsl): accuracy on held-out data after the last merge; direct participation = "
+                     "share of the training samples drawn at least once per epoch; time to target = seconds of "
+                     "training (evaluation left out) until the merged model first reached the target accuracy.")
     if any(v["strategy"] in ("zero1", "zero2") for v in vs):
         lines.append("DeepSpeed ZeRO-1/2 reduce each gradient partition to its owner and all-gather the updated "
                      "parameters (use_multi_rank_bucket_allreduce: false); a reduce counts S·(N−1)/N, as a "
@@ -358,10 +400,17 @@ def verdict_line(comparison: Comparison) -> str:
     if not verdict:
         return "verdict: no variant completed"
     fast, lean, quiet = (by_name[verdict[k]] for k in ("fastest", "leanest_memory", "least_traffic"))
-    return (f"verdict: fastest {fast['variant']} ({fast['throughput']:,.0f} {fast['throughput_unit']}); "
+    line = (f"verdict: fastest {fast['variant']} ({fast['throughput']:,.0f} {fast['throughput_unit']}); "
             f"leanest in memory {lean['variant']} ({human_bytes(_memory(lean))} "
             f"{'model states' if lean.get('model_state_bytes') is not None else 'peak'}); "
             f"least traffic {quiet['variant']} ({human_bytes(quiet['comm_bytes_per_step'])}/step)")
+    if "first_to_target" in verdict:
+        first = by_name[verdict["first_to_target"]]
+        others = [v for v in comparison.done if v is not first and v.get("time_to_target_s")]
+        versus = "".join(f", {v['time_to_target_s'] / first['time_to_target_s']:.2f}x before {v['variant']}"
+                         for v in others)
+        line += f"; first to target {first['variant']} ({first['time_to_target_s']:.2f} s{versus})"
+    return line
 
 
 def table(comparison: Comparison) -> Table:

@@ -32,7 +32,7 @@ class HFModelConfig(Section):
 
 
 class ModelConfig(Section):
-    name: Literal["gpt", "mlp", "cnn"] = "gpt"
+    name: Literal["gpt", "mlp", "cnn", "resnet"] = "gpt"
     """Built-in model; ignored when `target` or `hf` is set."""
     target: str | None = None
     """A user model as `package.module:function`; the function takes the data spec and returns an nn.Module."""
@@ -48,9 +48,11 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    name: Literal["synthetic", "digits", "text"] = "synthetic"
+    name: Literal["synthetic", "digits", "text", "cifar10"] = "synthetic"
     path: str | None = None
-    """Text file for `text` (char-level)."""
+    """Text file for `text` (char-level); for `cifar10`, the folder of its binary batches (cifar-10-batches-bin)."""
+    held_out: float = Field(0.0, ge=0.0, lt=1.0)
+    """digits: share of the images kept out of training, for held-out accuracy (cifar10 has its test_batch)."""
     vocab_size: int = Field(64, ge=2)
     """Vocabulary of `synthetic` tokens."""
     seq_len: int = Field(64, ge=2)
@@ -58,7 +60,7 @@ class DataConfig(Section):
 
 
 class StrategyConfig(Section):
-    name: Literal["ddp", "fsdp", "zero1", "zero2", "zero3"] = "ddp"
+    name: Literal["ddp", "fsdp", "zero1", "zero2", "zero3", "gcpsl", "gcpsl_serial"] = "ddp"
     reshard_after_forward: bool = True
     """fsdp: True = full shard (ZeRO-3 like); False = shard gradients and optimizer only (ZeRO-2 like)."""
     offload_optimizer: bool = False
@@ -68,6 +70,19 @@ class StrategyConfig(Section):
     wrap: list[str] = []
     """fsdp: class names of the submodules sharded one by one (e.g. [GPT2Block]); default: the model's
     `_no_split_modules` (transformers), else the members of its largest nn.ModuleList of repeated blocks."""
+    clients: int = Field(256, ge=1)
+    """gcpsl: logical split-learning clients the training data is shared out to."""
+    clusters: int | None = Field(None, ge=1)
+    """gcpsl: fixed groups of clients, one GPSL workload each; default: one per rank (gcpsl_serial: set it)."""
+    assignment: Literal["random", "size_balanced", "label_aware"] = "random"
+    """gcpsl: how clients are put into clusters: at random (equal client counts), by data size (equal data per
+    cluster), or by labels (equal data and similar class mixes)."""
+    cut: int = Field(1, ge=1)
+    """gcpsl: the model's first `cut` layers form the client segment, the rest the server segment."""
+    merge_every: int = Field(5, ge=1)
+    """gcpsl: every P steps the client and server segments of all clusters are averaged, weighted by data size."""
+    alpha: float = Field(0.5, gt=0)
+    """gcpsl: Dirichlet concentration of the non-IID split into clients; small = few classes per client."""
 
 
 class OptimizerConfig(Section):
@@ -89,6 +104,8 @@ class TrainingConfig(Section):
     precision: Literal["fp32", "bf16"] = "fp32"
     warmup_steps: int = Field(2, ge=0)
     """Steps left out of throughput and step-time statistics."""
+    target_accuracy: float | None = Field(None, gt=0.0, le=1.0)
+    """Held-out accuracy whose first reach is reported as time_to_target_s (gcpsl measures accuracy)."""
 
 
 class WorldConfig(Section):
@@ -204,12 +221,18 @@ def _semantic_lines(r: Recipe) -> list[str]:
     elif r.model.target is None:
         if r.model.name == "gpt" and not token_data:
             lines.append(f"model.name: 'gpt' cannot read data.name {r.data.name!r}; accepted data: synthetic, text")
-        if r.model.name in ("mlp", "cnn") and token_data:
+        if r.model.name in ("mlp", "cnn", "resnet") and token_data:
             lines.append(f"model.name: {r.model.name!r} cannot read token data {r.data.name!r}; accepted data: digits")
         if r.model.name == "gpt" and r.model.width % r.model.heads:
             lines.append(f"model.heads: got {r.model.heads}; must divide model.width ({r.model.width})")
     elif ":" not in r.model.target:
         lines.append(f"model.target: got {r.model.target!r}; accepted: 'package.module:function'")
+    if r.data.name == "cifar10" and not r.data.path:
+        lines.append("data.path: missing; data 'cifar10' needs the folder of its binary batches (cifar-10-batches-bin)")
+    elif r.data.name == "cifar10" and not Path(r.data.path).is_dir():
+        lines.append(f"data.path: got {r.data.path!r}; no such folder")
+    if r.strategy.name.startswith("gcpsl"):
+        lines += _split_learning_lines(r)
     if r.data.name == "text":
         if not r.data.path:
             lines.append("data.path: missing; data 'text' needs a text file")
@@ -246,6 +269,35 @@ def _hf_lines(r: Recipe, token_data: bool) -> list[str]:
     from dtk.models.hf import recipe_problems  # imports transformers (and torch): only for an hf recipe
 
     return recipe_problems(r)
+
+
+# layers in order of each built-in image model (dtk.models: layers_in_order); the cut must fall between two
+SPLIT_DEPTH = {"cnn": lambda layers: layers + 1, "mlp": lambda layers: layers + 2, "resnet": lambda layers: layers + 2}
+
+
+def _split_learning_lines(r: Recipe) -> list[str]:
+    s, name, lines = r.strategy, r.strategy.name, []
+    if r.data.name not in ("digits", "cifar10"):
+        lines.append(f"data.name: {name!r} trains an image classifier; got {r.data.name!r}; accepted: digits, cifar10")
+    if r.data.name == "digits" and not r.data.held_out:
+        lines.append(f"data.held_out: got 0; {name!r} reports held-out accuracy; accepted: a share in (0, 1), e.g. 0.2")
+    clusters = s.clusters or (r.world.nproc if name == "gcpsl" else 1)
+    if clusters > s.clients:
+        lines.append(f"strategy.clusters: got {clusters}; must be <= strategy.clients ({s.clients})")
+    if name == "gcpsl" and s.clusters is not None and s.clusters != r.world.nproc:
+        lines.append(f"strategy.clusters: got {s.clusters}; gcpsl runs one cluster per rank; accepted: world.nproc "
+                     f"({r.world.nproc}), or gcpsl_serial to run them one after another")
+    if name == "gcpsl_serial" and r.world.nproc != 1:
+        lines.append(f"world.nproc: got {r.world.nproc}; gcpsl_serial runs every cluster on one rank; accepted: 1")
+    if r.training.grad_accum != 1:
+        lines.append(f"training.grad_accum: got {r.training.grad_accum}; {name!r} draws one batch per cluster per "
+                     f"step; accepted: 1")
+    if r.model.target is None and r.model.name in SPLIT_DEPTH:
+        depth = SPLIT_DEPTH[r.model.name](r.model.layers)
+        if s.cut >= depth:
+            lines.append(f"strategy.cut: got {s.cut}; model {r.model.name!r} with {r.model.layers} layers has "
+                         f"{depth} places in order; accepted: 1..{depth - 1}")
+    return lines
 
 
 def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:

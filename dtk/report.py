@@ -135,7 +135,24 @@ def summarize(run_dir: Path, *, wall_seconds: float, failures: list[dict], exit_
         "failures": failures,
         "productive_time_ratio": useful / wall_seconds if wall_seconds else 0.0,
         "fsdp_wrap_units": _wrap_units(run_dir),
+        **learning_figures(records, target=recipe.get("training", {}).get("target_accuracy")),
         **extra,
+    }
+
+
+def learning_figures(records: list[dict], *, target: float | None) -> dict:
+    """What an engine that measures learning (gcpsl) reported: the last held-out accuracy, the mean direct
+    participation over complete global epochs (else the running one), the first time to the target accuracy."""
+    accuracy = [r["accuracy"] for r in records if r.get("accuracy") is not None]
+    epochs = [r["epoch_participation"] for r in records if r.get("epoch_participation") is not None]
+    running = [r["participation"] for r in records if r.get("participation") is not None]
+    reached = [r["time_to_target_s"] for r in records if r.get("time_to_target_s") is not None]
+    return {
+        "accuracy": accuracy[-1] if accuracy else None,
+        "best_accuracy": max(accuracy) if accuracy else None,
+        "participation": statistics.fmean(epochs) if epochs else running[-1] if running else None,
+        "target_accuracy": target,
+        "time_to_target_s": reached[0] if reached else None,
     }
 
 

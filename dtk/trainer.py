@@ -53,7 +53,8 @@ class Trainer:
     def __post_init__(self):
         self.rank, self.world = self.group.rank(), self.group.size()
         t = self.recipe.training
-        self.samples_per_step = t.micro_batch * t.grad_accum * self.world
+        # an engine that draws its own batches (gcpsl) says how many samples one step trains on
+        self.samples_per_step = getattr(self.engine, "samples_per_step", t.micro_batch * t.grad_accum * self.world)
         spec = self.dataset.spec
         self.tokens_per_step = self.samples_per_step * spec.seq_len if spec.kind == "tokens" else 0
         self.writer = MetricsWriter(self.run_dir) if self.rank == 0 else None
@@ -137,6 +138,7 @@ class Trainer:
             "comm": comm,
             "generation": Seam.generation,
             "time": time.time(),
+            **(self.engine.metrics() if hasattr(self.engine, "metrics") else {}),  # e.g. gcpsl's accuracy
         }
 
     # -- the loop --

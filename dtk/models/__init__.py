@@ -13,11 +13,13 @@ from dtk.models.cnn import build_cnn
 from dtk.models.gpt import build_gpt
 from dtk.models.mlp import build_mlp
 from dtk.models.wrap import WrapUnits, find_wrap_units
+from dtk.models.resnet import build_resnet
 
 MODELS: dict[str, tuple[Callable, str]] = {
     "gpt": (build_gpt, "tiny GPT (causal self-attention); layers, width, heads; reads tokens"),
     "mlp": (build_mlp, "multilayer perceptron with residual blocks; reads images as flat vectors"),
     "cnn": (build_cnn, "small convolutional network; reads images"),
+    "resnet": (build_resnet, "small ResNet: stem, one residual block per stage (layers), BatchNorm; reads images"),
 }
 
 
@@ -49,3 +51,14 @@ def build_model(cfg, spec: DataSpec, *, seed: int) -> nn.Module:
 def shard_units(model: nn.Module, *, names: list[str] | tuple[str, ...] = ()) -> WrapUnits:
     """The submodules FSDP wraps one by one (see dtk.models.wrap); the root is wrapped last."""
     return find_wrap_units(model, names=names)
+
+
+def layers_in_order(model: nn.Module) -> list[nn.Module]:
+    """The model as a chain of modules whose composition is its forward: where split learning may cut it.
+    A model offers it as `layers_in_order()`, or is an nn.Sequential."""
+    if hasattr(model, "layers_in_order"):
+        return list(model.layers_in_order())
+    if isinstance(model, nn.Sequential):
+        return list(model)
+    raise DtkError(f"model: {type(model).__name__} cannot be cut into a chain of layers; accepted: model.name cnn, "
+                   f"mlp or resnet, or a model.target that returns an nn.Sequential")

@@ -27,6 +27,9 @@ class CNN(nn.Module):
             x = block(x)
         return self.head(x.mean(dim=(2, 3)))
 
+    def layers_in_order(self) -> list[nn.Module]:
+        return [*self.blocks, nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), self.head)]
+
 
 def build_cnn(cfg, spec) -> CNN:
     return CNN(channels=spec.input_shape[0], classes=spec.classes, layers=cfg.layers, width=cfg.width)

@@ -30,6 +30,9 @@ class MLP(nn.Module):
             x = block(x)
         return self.head(x)
 
+    def layers_in_order(self) -> list[nn.Module]:
+        return [nn.Sequential(nn.Flatten(), self.inp, nn.ReLU()), *self.blocks, self.head]
+
 
 def build_mlp(cfg, spec) -> MLP:
     return MLP(in_features=math.prod(spec.input_shape), classes=spec.classes, layers=cfg.layers, width=cfg.width)

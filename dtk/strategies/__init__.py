@@ -23,12 +23,21 @@ def _zero(stage: int) -> Callable[[BuildContext], Engine]:
     return build_stage
 
 
+def _gcpsl(serial: bool) -> Callable[[BuildContext], Engine]:
+    def build_gcpsl(ctx: BuildContext) -> Engine:
+        from dtk.strategies.gcpsl import build
+        return build(ctx, serial=serial)
+    return build_gcpsl
+
+
 STRATEGIES: dict[str, tuple[Callable[[BuildContext], Engine], str]] = {
     "ddp": (_ddp, "torch DistributedDataParallel: every rank holds everything, gradients all-reduced"),
     "fsdp": (_fsdp, "torch FSDP2 fully_shard per block: parameters, gradients and optimizer sharded"),
     "zero1": (_zero(1), "DeepSpeed ZeRO-1: optimizer states sharded"),
     "zero2": (_zero(2), "DeepSpeed ZeRO-2: optimizer states and gradients sharded"),
     "zero3": (_zero(3), "DeepSpeed ZeRO-3: parameters, gradients and optimizer states sharded"),
+    "gcpsl": (_gcpsl(False), "clustered parallel split learning: one cluster of clients per rank, merged every P steps"),
+    "gcpsl_serial": (_gcpsl(True), "the same clusters of split-learning clients one after another on one rank (baseline)"),
 }
 
 
