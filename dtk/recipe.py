@@ -136,7 +136,8 @@ class ResilienceConfig(Section):
     mode: Literal["none", "checkpoint", "inplace"] = "none"
     """none: a failed rank fails the run. checkpoint: stop every rank, start them again, reload the latest
     checkpoint, redo the lost steps (needs checkpoint.every). inplace: survivors keep their processes and state,
-    a new process takes the failed rank's number and is repaired from a peer (replicated strategies: ddp)."""
+    a shadow takes the failed rank's number and its state is repaired from a peer (ddp) or rebuilt from erasure
+    parity (fsdp, zero1/2/3: see parity_group, parity_tier2)."""
     max_failures: int = Field(3, ge=0)
     """Recoveries allowed in one run; the next failure stops it."""
     heartbeat_timeout_s: float | None = Field(None, gt=0)
@@ -238,11 +239,14 @@ def _semantic_lines(r: Recipe) -> list[str]:
             lines.append("data.path: missing; data 'text' needs a text file")
         elif not Path(r.data.path).is_file():
             lines.append(f"data.path: got {r.data.path!r}; no such file")
+    if r.resilience.mode == "inplace" and r.strategy.name.startswith("gcpsl"):
+        lines.append(f"resilience.mode: 'inplace' is not offered for strategy.name {r.strategy.name!r}; accepted "
+                     f"strategies: ddp, fsdp, zero1, zero2, zero3")
     if r.resilience.mode == "inplace" and r.strategy.name != "ddp":
-        lines.append(
-            f"resilience.mode: 'inplace' repairs a new rank from a peer's replica, which strategy.name "
-            f"{r.strategy.name!r} does not keep; accepted strategy: ddp"
-        )
+        try:  # one-line errors when the parity groups do not fit the ranks
+            parity_layout(r.resilience, world=r.world.nproc, nproc_per_node=r.world.nproc)
+        except DtkError as e:
+            lines += e.lines
     if r.resilience.mode == "checkpoint" and not r.checkpoint.every:
         lines.append("resilience.mode: 'checkpoint' restarts from a checkpoint, but checkpoint.every is 0; "
                      "set checkpoint.every to a number of steps >= 1")
@@ -298,6 +302,24 @@ def _split_learning_lines(r: Recipe) -> list[str]:
             lines.append(f"strategy.cut: got {s.cut}; model {r.model.name!r} with {r.model.layers} layers has "
                          f"{depth} places in order; accepted: 1..{depth - 1}")
     return lines
+
+
+def parity_layout(resilience, *, world: int, nproc_per_node: int) -> tuple[int, int]:
+    """(ranks per parity group, tier-2 parity shards) that `resilience.parity_group` / `parity_tier2` ask for on
+    `world` ranks; a pair that does not fit is a user error naming the field."""
+    k = resilience.parity_group or max(2, nproc_per_node)
+    if world < 2:
+        raise DtkError(f"resilience.parity_group: a world of {world} rank has no peer to hold its parity; "
+                       f"accepted: 2 ranks or more")
+    if world % k:
+        divisors = [d for d in range(2, world + 1) if world % d == 0]
+        raise DtkError(f"resilience.parity_group: got {k}; parity groups must tile the {world} ranks; "
+                       f"accepted: {', '.join(map(str, divisors))}")
+    groups, m = world // k, resilience.parity_tier2
+    if m and m >= groups:
+        raise DtkError(f"resilience.parity_tier2: got {m}; {world} ranks in parity groups of {k} make {groups} "
+                       f"group(s), and tier 2 needs more groups than parity shards; accepted: 0..{groups - 1}")
+    return k, m
 
 
 def parse_overrides(overrides: list[str]) -> list[tuple[list[str], Any]]:

@@ -49,6 +49,8 @@ class Trainer:
     base_rss: int
     run_dir: str
     injector: Injector
+    parity: object | None = None
+    """dtk.resilience.parity.ParityKeeper when sharded state is kept recoverable in place; None otherwise."""
 
     def __post_init__(self):
         self.rank, self.world = self.group.rank(), self.group.size()
@@ -121,6 +123,9 @@ class Trainer:
             self.engine.discard_step()
             return None
         self.injector.at(step, "optimizer")
+        if self.parity is not None and not self.parity.wait_current():
+            self.engine.discard_step()  # a peer failed while the last step's parity was built: do not update
+            return None
         self.engine.optimizer_step()
         if Seam.failure is not None:
             return None
@@ -146,16 +151,23 @@ class Trainer:
         r = self.recipe
         step = start_step
         Seam.stats.take()  # the engine's start-up traffic (DDP's broadcast, DeepSpeed's init) is not a step's
+        if self.parity is not None and not self.parity.slots:  # (a rebuilt replacement's recovery protected it)
+            self.parity.protect(step)
         while step < r.training.steps:
             record = self.train_step(step)
             if record is None:
                 self.control.phase = "recovery"
                 step = inplace.recover_survivor(engine=self.engine, control=self.control, group=self.group,
                                                 committed_step=step, device=self.device,
-                                                on_repair=lambda step: self.injector.at(step, "recovery"))
+                                                on_repair=lambda step: self.injector.at(step, "recovery"),
+                                                parity=self.parity)
                 self.control.phase = "train"
+                if self.writer:
+                    self.writer.truncate_from(step)  # a rollback to an older protected step redoes the steps after it
                 continue
             step += 1
+            if self.parity is not None:
+                self.parity.protect(step)  # built while the next step's forward and backward run
             self.control.step_seconds = record["step_seconds"]
             if self.writer:
                 self.writer.write(record)
@@ -167,9 +179,15 @@ class Trainer:
                 checkpoint.save(self.engine, step=step, run_dir=self.run_dir, keep=r.checkpoint.keep)
                 self.control.phase = "train"
             if step in r.comm.regroup_at:
+                if self.parity is not None:
+                    self.parity.settle()
                 seconds = Seam.reconfigure(Seam.generation + 1)
                 log.info("planned regroup after step %d: generation %d in %.3fs", step, Seam.generation, seconds)
                 if self.writer:
                     self.writer.event({"event": "regroup", "step": step, "generation": Seam.generation,
                                        "seconds": seconds})
+        if self.parity is not None:
+            self.parity.settle()
+            if self.writer:  # what keeping parity cost this run: summary.json -> parity
+                self.writer.event({"event": "parity", **self.parity.figures()})
         self.control.finish(step)

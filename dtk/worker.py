@@ -123,6 +123,13 @@ def run_rank() -> None:
         if warm is not None:
             with Seam.uncounted():
                 engine.match_running_layout(*warm)
+    parity = None
+    if recipe.resilience.mode == "inplace" and recipe.strategy.name not in RANK_AGNOSTIC:
+        # sharded state is rebuilt from erasure parity; every rank (a replacement too) makes the same groups
+        from dtk.resilience.parity import build_keeper
+
+        parity = build_keeper(state=engine.local_state, resilience=recipe.resilience,
+                              nproc_per_node=recipe.world.nproc)
     timeline["engine_at"] = time.time()
     control = Control(address=os.environ["DTK_STORE"], rank=rank, attempt=attempt)
     injector = Injector(rank=rank, store=control.run_store, engine=engine)
@@ -131,14 +138,14 @@ def run_rank() -> None:
     control.on_faults = lambda specs: [injector.add(Fault(**f)) for f in specs]
     control.start()
     trainer = Trainer(recipe=recipe, engine=engine, dataset=dataset, group=group, control=control,
-                      device=device, base_rss=base_rss, run_dir=run_dir, injector=injector)
+                      device=device, base_rss=base_rss, run_dir=run_dir, injector=injector, parity=parity)
 
     start = 0
     if join is not None:
         control.phase = "recovery"
         start = inplace.rejoin_as_replacement(engine=engine, control=control, group=group, generation=int(join),
                                               device=device, ready_at=timeline.get("promoted_at", time.time()),
-                                              on_repair=lambda step: injector.at(step, "recovery"))
+                                              on_repair=lambda step: injector.at(step, "recovery"), parity=parity)
         control.phase = "train"
     elif (recipe.checkpoint.resume == "auto" or attempt > 0) and (found := checkpoint.latest(run_dir)):
         start = checkpoint.load(engine, found[1])

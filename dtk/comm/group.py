@@ -474,7 +474,8 @@ def _fill_lists(output_lists, inputs) -> None:
 
 
 def _fill_flat(output: torch.Tensor, input: torch.Tensor) -> None:
-    output.view(-1, input.numel()).copy_(input.reshape(1, -1))
+    # FSDP2 gathers in place: its input is this rank's slice of the output, so copy it out first
+    output.view(-1, input.numel()).copy_(input.reshape(1, -1).clone())
 
 
 def _create(dist_opts, backend_opts) -> DtkGroup:

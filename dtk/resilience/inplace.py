@@ -45,9 +45,13 @@ def repair_from(source: int, tensors: list[torch.Tensor], group: dist.ProcessGro
 
 
 def rejoin(*, engine, control, group, generation: int, device: torch.device, committed_step: int, valid: bool,
-           on_repair: Callable[[int], None] | None = None, report: dict | None = None) -> int:
+           on_repair: Callable[[int], None] | None = None, report: dict | None = None, parity=None) -> int:
     """Join `generation` as the launcher's plan says and repair the state; returns the step to run next.
-    `valid`: this rank's state is that of `committed_step` (a survivor), not a replacement's blank one."""
+    `valid`: this rank's state is that of `committed_step` (a survivor), not a replacement's blank one.
+    `parity` (a ParityKeeper, sharded strategies): every rank rolls back to the newest step protected everywhere and
+    the lost ranks' state is decoded from parity; without it the state is broadcast from the plan's source."""
+    from dtk.resilience.parity import ParityLost
+
     while True:
         plan = control.wait_plan(generation)
         t_plan = time.time()
@@ -56,19 +60,35 @@ def rejoin(*, engine, control, group, generation: int, device: torch.device, com
                                                   "reason": "failed before the rejoin", "engine_id": id(engine)})
             generation += 1
             continue
+        if parity is not None:
+            parity.settle()  # its exchange was released with the failure; the groups are rebuilt next
         regroup_s = Seam.reconfigure(generation)
         t_regrouped = time.time()
         if on_repair is not None:
             on_repair(plan["step"])  # chaos tests aim faults here: a rank lost while the state is sent
-        step_t = torch.tensor([plan["step"]], dtype=torch.int64, device=device)
-        nbytes = repair_from(plan["source"], engine.local_state() + [step_t], group)
+        rebuilt = {}
+        if parity is None:
+            step_t = torch.tensor([plan["step"]], dtype=torch.int64, device=device)
+            nbytes = repair_from(plan["source"], engine.local_state() + [step_t], group)
+            step = int(step_t.item())
+        else:
+            try:
+                done = parity.recover(plan["replaced"])
+            except ParityLost:
+                if Seam.failure is None:
+                    raise  # not a peer's failure: the parity left cannot rebuild these ranks
+                done = None
+            if done is not None:
+                step, nbytes = done.step, done.bytes_decoded
+                rebuilt = {"rebuilt_from": f"parity tier {done.tier}", "rebuild_s": done.seconds}
         if Seam.failure is None:
             timings = {"regroup_s": regroup_s, "repair_s": time.time() - t_regrouped, "repair_bytes": nbytes,
-                       "plan_seen_at": t_plan, "regrouped_at": t_regrouped, "repaired_at": time.time()}
+                       "plan_seen_at": t_plan, "regrouped_at": t_regrouped, "repaired_at": time.time(),
+                       "step": step, "committed": committed_step, **rebuilt}
             control.report(generation, "rejoined", {"engine_id": id(engine), "replacement": not valid, **timings,
                                                     **(report or {})})
-            log.warning("joined generation %d at step %d: %s", generation, plan["step"], timings)
-            return int(step_t.item())
+            log.warning("joined generation %d at step %d: %s", generation, step, timings)
+            return step
         reason = Seam.take_failure()
         log.warning("generation %d failed during the repair (%s); waiting for the next plan", generation, reason)
         control.report(generation, "failed", {"step": committed_step, "valid": valid, "released_at": Seam.failed_at,
@@ -77,13 +97,13 @@ def rejoin(*, engine, control, group, generation: int, device: torch.device, com
 
 
 def rejoin_as_replacement(*, engine, control, group, generation: int, device: torch.device, ready_at: float,
-                          on_repair: Callable[[int], None] | None = None) -> int:
+                          on_repair: Callable[[int], None] | None = None, parity=None) -> int:
     return rejoin(engine=engine, control=control, group=group, generation=generation, device=device,
-                  committed_step=-1, valid=False, on_repair=on_repair, report={"ready_at": ready_at})
+                  committed_step=-1, valid=False, on_repair=on_repair, report={"ready_at": ready_at}, parity=parity)
 
 
 def recover_survivor(*, engine, control, group, committed_step: int, device: torch.device,
-                     on_repair: Callable[[int], None] | None = None) -> int:
+                     on_repair: Callable[[int], None] | None = None, parity=None) -> int:
     """A peer failed in this generation: drop the step, say where this rank stands, join the next generation."""
     generation = Seam.generation
     reason = Seam.take_failure()
@@ -93,6 +113,6 @@ def recover_survivor(*, engine, control, group, committed_step: int, device: tor
     log.warning("step %d not committed (%s); waiting for the plan of generation %d", committed_step, reason,
                 generation + 1)
     step = rejoin(engine=engine, control=control, group=group, generation=generation + 1, device=device,
-                  committed_step=committed_step, valid=True, on_repair=on_repair)
+                  committed_step=committed_step, valid=True, on_repair=on_repair, parity=parity)
     log.warning("recovered in place at step %d, same engine object %#x", step, id(engine))
     return step

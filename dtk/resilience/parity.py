@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from dtk.comm.group import Seam
+from dtk.recipe import parity_layout
 from dtk.resilience.erasure import RSLayout, XorLayout
 
 log = logging.getLogger(__name__)
@@ -446,26 +447,6 @@ class ParityKeeper:
         live = torch.zeros(self.xor.padded_bytes, dtype=torch.uint8)
         FlatState(self.state_fn()).read_into(live, 0)
         return int(np.count_nonzero(self._flat(slot) != live.numpy()))
-
-
-def parity_layout(resilience, *, world: int, nproc_per_node: int) -> tuple[int, int]:
-    """(ranks per parity group, tier-2 parity shards) that `resilience.parity_group` / `parity_tier2` ask for on
-    `world` ranks; a pair that does not fit is a user error naming the field."""
-    from dtk.errors import DtkError
-
-    k = resilience.parity_group or max(2, nproc_per_node)
-    if world < 2:
-        raise DtkError(f"resilience.parity_group: a world of {world} rank has no peer to hold its parity; "
-                       f"accepted: 2 ranks or more")
-    if world % k:
-        divisors = [d for d in range(2, world + 1) if world % d == 0]
-        raise DtkError(f"resilience.parity_group: got {k}; parity groups must tile the {world} ranks; "
-                       f"accepted: {', '.join(map(str, divisors))}")
-    groups, m = world // k, resilience.parity_tier2
-    if m and m >= groups:
-        raise DtkError(f"resilience.parity_tier2: got {m}; {world} ranks in parity groups of {k} make {groups} "
-                       f"group(s), and tier 2 needs more groups than parity shards; accepted: 0..{groups - 1}")
-    return k, m
 
 
 def build_keeper(*, state: Callable[[], list[torch.Tensor]], resilience, nproc_per_node: int) -> ParityKeeper:

@@ -15,7 +15,7 @@ from typing import Protocol
 
 from dtk.metrics import append_event
 
-REPORT_TIMEOUT_S = 120.0
+REPORT_TIMEOUT_S = 300.0
 
 
 class RecoveryFailed(RuntimeError):
@@ -115,9 +115,15 @@ class Recovery:
         released = [v["released_at"] for v in reports.values() if v.get("released_at")]
         replaced = [v for r, v in rejoined.items() if v.get("replacement")]
         engines_kept = all(rejoined[r]["engine_id"] == v["engine_id"] for r, v in reports.items() if r in rejoined)
+        back_to = min(v.get("step", step) for v in rejoined.values())
+        committed = max(v["step"] for v in reports.values() if v.get("valid", True))
+        rebuilt = [v["rebuilt_from"] for v in rejoined.values() if v.get("rebuilt_from")]
         return {
             "step": step,
-            "steps_lost": 0,
+            "resumed_at_step": back_to,
+            "steps_lost": max(0, committed - back_to),
+            "rebuilt_from": rebuilt[0] if rebuilt else f"peer (rank {source})",
+            "rebuild_s": max((v.get("rebuild_s", 0.0) for v in rejoined.values()), default=0.0),
             "source_rank": source,
             "lost_ranks": self.lost,
             "survivors": sorted(r for r in reports if r not in self.lost),

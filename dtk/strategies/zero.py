@@ -71,6 +71,20 @@ class ZeroEngine:
 
     def discard_step(self) -> None:
         self.engine.zero_grad()
+        # ZeRO keeps reduced gradients in its own partitions and accumulates into them after the first micro-step:
+        # reset that too, and the engine's micro-step count to the step's start, or the redone step adds to the
+        # failed one's gradients
+        self.optimizer.zero_grad(set_to_none=True)
+        self.engine.micro_steps -= self.engine.micro_steps % self.engine.gradient_accumulation_steps()
+        if self.stage == 3:
+            # A failed step leaves ZeRO-3 mid-way: parameters gathered, its module trace half recorded. Release them
+            # and forget the trace, so every rank, a joining one included, records it afresh in the same order (its
+            # cross-rank checks are collectives: a rank that skipped them would wait for the others forever).
+            offload = self.optimizer.parameter_offload
+            offload.empty_partition_cache()
+            coordinator = offload.get_param_coordinator()
+            if not coordinator.is_invalid_trace():
+                coordinator._invalidate_trace()
 
     def _flat_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         opt = self.optimizer
@@ -80,11 +94,23 @@ class ZeroEngine:
 
     def local_state(self) -> list[torch.Tensor]:
         low, master = self._flat_groups()
-        materialize_optimizer_state(self.optimizer.optimizer)
+        inner = self.optimizer.optimizer
+        if self.stage == 3:
+            # ZeRO-3 hands its torch optimizer one fp32 partition at a time, only while it steps (param_groups are
+            # empty otherwise); do the same so the lazily-made Adam state exists before the first update
+            for sub, fp32 in enumerate(master):
+                group = inner.param_groups[self.optimizer.sub_group_to_group_id[sub]]
+                group["params"] = [fp32]
+                try:
+                    materialize_optimizer_state(inner)
+                finally:
+                    group["params"] = []
+        else:
+            materialize_optimizer_state(inner)
         return low + master + optimizer_tensors(self.optimizer.optimizer, master)
 
     def match_running_layout(self, x, y) -> None:
-        pass  # its collectives do not depend on what the first step saw
+        pass  # a joining ZeRO-3 engine starts with no parameter trace; so do the others after a failure (discard_step)
 
     def checkpoint_state(self) -> dict:
         # ZeRO partitions are rank-specific; each rank saves and loads its own keys (same world size to resume)
