@@ -24,7 +24,8 @@ import workload  # noqa: E402
 
 
 def _rank(rank: int, world: int, port: int, results, reps: int, steps: int) -> None:
-    os.environ.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu")
+    os.environ.update(OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     import deepspeed
     import torch.distributed as dist
