@@ -5,11 +5,12 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 # Gradients live only inside a step (the engines drop them after the update), so they are read where the
-# optimizer consumes them: a global step pre-hook notes, once per optimizer, the storages of its params' grads.
+# optimizer consumes them: a global step pre-hook notes, once per optimizer, the storages of its params' grads
+# (DeepSpeed's are views of one flat partition buffer, so its first sub-group's step sees the whole buffer).
 _grads: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
 _hook = None
 _measured: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
