@@ -73,8 +73,18 @@ class LinkMonitor:
         return out
 
     # -- a probe, only when the traffic has nothing to say --
-    def probe(self, pg, *, nbytes: int = PROBE_BYTES, tag_base: int = 1 << 30) -> list[float]:
-        """Exchange `nbytes` with every peer, one peer at a time (tournament rounds); sets and returns bw[j]."""
+    def probe(self, pg, *, nbytes: int = PROBE_BYTES, tag_base: int = 1 << 30, passes: int = 2) -> list[float]:
+        """Exchange `nbytes` with every peer, one peer at a time (tournament rounds), `passes` times; sets and
+        returns bw[j], the best pass (on a loaded machine one pass can stall; a stall only ever lowers a rate)."""
+        best = [0.0] * self.size
+        for k in range(passes):
+            rates = self._probe_once(pg, nbytes=nbytes, tag_base=tag_base + 64 * k)
+            best = [max(a, b) for a, b in zip(best, rates)]
+        self.bw = [b if b > 0 else math.nan for b in best]
+        return list(self.bw)
+
+    def _probe_once(self, pg, *, nbytes: int, tag_base: int) -> list[float]:
+        rates = [0.0] * self.size
         buf_out = torch.zeros(nbytes // 4)
         buf_in = torch.empty_like(buf_out)
         ping_out, ping_in = torch.zeros(1), torch.empty(1)
@@ -92,5 +102,5 @@ class LinkMonitor:
             recv.wait()
             seconds = time.perf_counter() - t0
             send.wait()
-            self.bw[peer] = nbytes / seconds
-        return list(self.bw)
+            rates[peer] = nbytes / seconds
+        return rates

@@ -19,6 +19,8 @@ class Congestion:
     rate: str
     host: int | None = None
     pair: tuple[int, int] | None = None
+    step: int | None = None
+    """As a fault (`congest:...,step=S`): the step after which the launcher applies it; None: at once."""
 
     def spec(self) -> str:
         where = f"host={self.host}" if self.host is not None else f"pair={self.pair[0]}-{self.pair[1]}"
@@ -46,15 +48,16 @@ def parse(spec: str, *, hosts: int | None = None, flag: str = "--congest") -> Co
         raise DtkError(f"{flag}: got {spec!r}; accepted: exactly one of host=I or pair=I-J")
     limit = f"0..{hosts - 1}" if hosts else "0 or more"
     try:
+        step = int(fields["step"]) if "step" in fields else None
         if "host" in fields:
-            c = Congestion(rate=rate, host=int(fields["host"]))
+            c = Congestion(rate=rate, host=int(fields["host"]), step=step)
             ids = [c.host]
         else:
             i, _, j = fields["pair"].partition("-")
-            c = Congestion(rate=rate, pair=(int(i), int(j)))
+            c = Congestion(rate=rate, pair=(int(i), int(j)), step=step)
             ids = list(c.pair)
     except ValueError:
-        raise DtkError(f"{flag}: got {spec!r}; hosts are whole numbers: host=2 or pair=0-1") from None
+        raise DtkError(f"{flag}: got {spec!r}; hosts and step are whole numbers: host=2 or pair=0-1, step=5") from None
     if any(h < 0 or (hosts is not None and h >= hosts) for h in ids) or (c.pair and c.pair[0] == c.pair[1]):
         raise DtkError(f"{flag}: got {spec!r}; accepted hosts: {limit}, two different ones for a pair")
     return c
@@ -86,6 +89,11 @@ def apply(bed: Testbed, specs: list[Congestion]) -> None:
     for (ns, dev), (default, pairs) in devices.items():
         _htb(ns, dev, default, pairs)
     bed._save()
+
+
+def add(bed: Testbed, spec: Congestion) -> None:
+    """One more congestion on top of what is in force (a `congest:` fault firing at its step, launcher side)."""
+    apply(bed, [c for c in bed.shaping if (c.host, c.pair) != (spec.host, spec.pair)] + [spec])
 
 
 def _htb(ns: str, dev: str, default: str | None, pairs: dict[str, str]) -> None:
