@@ -2,9 +2,9 @@
 clusters and data), direct participation of size_balanced against random clusters, and held-out accuracy of gcpsl
 against ddp on the same data split and steps.
 
-    python benchmarks/gcpsl.py [--reps 2] [--ranks 4,2] [--steps 100]
+    python benchmarks/gcpsl.py [--reps 2] [--ranks 4,2] [--steps 100] [--skip ttt,participation,accuracy]
 
-Writes benchmarks/results/gcpsl.json and prints one table per figure. Each compare alternates which variant runs
+Writes benchmarks/results/gcpsl.json (--results) and prints one table per figure. Each compare alternates which variant runs
 first. ddp's accuracy: its last DCP checkpoint, loaded into the same model here and evaluated on the held-out split.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "gcpsl.yaml"
 RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT))  # this tree's dtk, also for the figures computed in this process
 
 
 def env() -> dict:
@@ -124,6 +125,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--skip", default="", help="comma list of parts to leave out: ttt, participation, accuracy")
+    ap.add_argument("--results", default="gcpsl.json", help="file name under benchmarks/results/")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     t0 = time.time()
@@ -144,7 +146,7 @@ def main() -> None:
     result["seconds"] = time.time() - t0
     result["load_at_end"] = load_average()
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "gcpsl.json").write_text(json.dumps(result, indent=2))
+    (RESULTS / args.results).write_text(json.dumps(result, indent=2))
     for part in result.get("time_to_target", []):
         print(f"{part['ranks']} ranks / {part['clusters']} clusters: serial/gcpsl time to target, median "
               f"{part['median_ratio']}; per rep {[r['ratio'] for r in part['reps']]}")
