@@ -258,6 +258,9 @@ class ParityKeeper:
             self._set_layout([int(v) for v in self._all_gather([flat.nbytes])[:, 0]])
             if self._failed(generation):
                 return False
+        if flat.nbytes != self.sizes[self.rank]:
+            raise RuntimeError(f"local_state() changed from {self.sizes[self.rank]} to {flat.nbytes} bytes between "
+                               f"step boundaries; parity needs its layout fixed for the whole run")
         slot = self.slots[1 - self.current]
         slot.data_step = slot.parity_step = -1
         self._fill_rows(slot, flat)
