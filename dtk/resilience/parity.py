@@ -18,6 +18,11 @@ everywhere. Every rank then writes the bytes of T back into its live tensors (a 
 the lost ranks' bytes are decoded into theirs, and parity is rebuilt by `protect(T)`. Cost: the undo copy is one
 local state per slot (2 x state + 2 x parity per rank in all); a second failure before that `protect(T)` completes
 is not recoverable (the replacements hold no parity yet).
+
+Call sequence. Every rank (a replacement too, while Seam.joining) builds the keeper right after its engine
+(`build_keeper`); `protect(start_step)` before the loop. Each step: forward and backward, `wait_current()` (False:
+a peer failed, do not update), the optimizer update, `protect(step + 1)`. After a failure: `settle()`,
+`Seam.reconfigure(g + 1)`, then `recover(lost)` on every rank; training resumes at the report's `step`.
 """
 from __future__ import annotations
 
@@ -259,6 +264,9 @@ class ParityKeeper:
             self._set_layout([int(v) for v in self._all_gather([flat.nbytes])[:, 0]])
             if self._failed(generation):
                 return False
+        if flat.nbytes != self.sizes[self.rank]:
+            raise RuntimeError(f"local_state() changed from {self.sizes[self.rank]} to {flat.nbytes} bytes between "
+                               f"step boundaries; parity needs its layout fixed for the whole run")
         slot = self.slots[1 - self.current]
         slot.data_step = slot.parity_step = -1
         self._fill_rows(slot, flat)
@@ -374,6 +382,8 @@ class ParityKeeper:
             self._restore(slot)
         report = RebuildReport(step=step, tier=tier, lost=sorted(lost_set),
                                bytes_decoded=sum(self.sizes[r] for r in lost_set), seconds=time.perf_counter() - t0)
+        log.info("rebuilt rank(s) %s from tier %d at step %d: %d bytes in %.3fs", report.lost, tier, step,
+                 report.bytes_decoded, report.seconds)
         self.protect(step)
         return report
 

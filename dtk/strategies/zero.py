@@ -94,6 +94,7 @@ class ZeroEngine:
 
     def local_state(self) -> list[torch.Tensor]:
         low, master = self._flat_groups()
+<<<<<<< HEAD
         inner = self.optimizer.optimizer
         if self.stage == 3:
             # ZeRO-3 hands its torch optimizer one fp32 partition at a time, only while it steps (param_groups are
@@ -111,6 +112,34 @@ class ZeroEngine:
 
     def match_running_layout(self, x, y) -> None:
         pass  # a joining ZeRO-3 engine starts with no parameter trace; so do the others after a failure (discard_step)
+=======
+        if self.stage == 3:
+            self._materialize_stage3(master)
+        else:
+            materialize_optimizer_state(self.optimizer.optimizer)
+        return low + master + optimizer_tensors(self.optimizer.optimizer, master)
+
+    def _materialize_stage3(self, master: list[torch.Tensor]) -> None:
+        """ZeRO-3 hands its fp32 partitions to the torch optimizer only inside its step (param_groups are empty
+        otherwise), so a fresh engine's state would lack the optimizer tensors until the first update: point the
+        groups at the partitions for the dry step, then put back what DeepSpeed had (params lists, grad buffers)."""
+        opt = self.optimizer.optimizer
+        if all(opt.state.get(f) for f in master):
+            return
+        params, grads = [g["params"] for g in opt.param_groups], [f.grad for f in master]
+        for g in opt.param_groups:
+            g["params"] = []
+        for sub, f in enumerate(master):
+            opt.param_groups[self.optimizer.sub_group_to_group_id[sub]]["params"].append(f)
+            f.grad = None
+        try:
+            materialize_optimizer_state(opt)
+        finally:
+            for g, ps in zip(opt.param_groups, params):
+                g["params"] = ps
+            for f, grad in zip(master, grads):
+                f.grad = grad
+>>>>>>> parity
 
     def checkpoint_state(self) -> dict:
         # ZeRO partitions are rank-specific; each rank saves and loads its own keys (same world size to resume)
