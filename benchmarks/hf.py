@@ -52,7 +52,9 @@ def memory(*, steps: int, workdir: Path, mmap_threshold: int) -> dict:
     out = {}
     for strategy in MEM_STRATEGIES:
         print(f"memory: {strategy}", flush=True)
-        run_dir = train(strategy, BIG, steps=steps, warmup=1, workdir=workdir, extra=["training.micro_batch=2"], env=env)
+        run_dir = train(strategy, BIG, steps=steps, warmup=1, workdir=workdir, env=env,
+                        # a loaded machine can take over a minute for one step of this model: not a hang
+                        extra=["training.micro_batch=2", "resilience.heartbeat_timeout_s=900"])
         summary = json.loads((run_dir / "summary.json").read_text())
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
         per_rank = [max(r["peak_memory_bytes"][q] for r in records) for q in range(NPROC)]
