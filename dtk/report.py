@@ -135,9 +135,8 @@ def summarize(run_dir: Path, *, wall_seconds: float, failures: list[dict], exit_
         },
         "failures": failures,
         "productive_time_ratio": useful / wall_seconds if wall_seconds else 0.0,
-<<<<<<< HEAD
-        "fsdp_wrap_units": _wrap_units(run_dir),
-        "parity": _last_event(run_dir, "parity"),
+        "fsdp_wrap_units": _last_event(run_dir, "fsdp_wrap_units", since=time.time() - wall_seconds - 1.0),
+        "parity": _last_event(run_dir, "parity", since=time.time() - wall_seconds - 1.0),
         **learning_figures(records, target=recipe.get("training", {}).get("target_accuracy")),
         **extra,
     }
@@ -159,28 +158,15 @@ def learning_figures(records: list[dict], *, target: float | None) -> dict:
     }
 
 
-def _last_event(run_dir: Path, name: str) -> dict | None:
-    """The last event `name` rank 0 reported (its fields), or None."""
-    found = [e for e in read_jsonl(Path(run_dir) / "events.jsonl") if e.get("event") == name]
-=======
-        "fsdp_wrap_units": _wrap_units(run_dir, since=time.time() - wall_seconds - 1.0),
-    }
-
-
-def _wrap_units(run_dir: Path, *, since: float) -> dict | None:
-    """The units FSDP sharded one by one (class names and count), as rank 0 reported them in this run (a reused run
-    folder keeps older runs' events); None for other strategies."""
+def _last_event(run_dir: Path, name: str, *, since: float) -> dict | None:
+    """The last event `name` rank 0 reported in this run (its fields; a reused run folder keeps older runs'
+    events), or None: FSDP's wrap units, the parity keeper's figures."""
     found = [e for e in read_jsonl(Path(run_dir) / "events.jsonl")
-             if e.get("event") == "fsdp_wrap_units" and e.get("time", 0) >= since]
->>>>>>> hf
+             if e.get("event") == name and e.get("time", 0) >= since]
     if not found:
         return None
     return {k: v for k, v in found[-1].items() if k not in ("event", "time")}
 
-
-def _wrap_units(run_dir: Path) -> dict | None:
-    """The units FSDP sharded one by one (class names and count), as rank 0 reported them; None for other strategies."""
-    return _last_event(run_dir, "fsdp_wrap_units")
 
 
 def write_summary(run_dir: Path, *, wall_seconds: float, failures: list[dict], exit_code: int, **extra) -> dict:

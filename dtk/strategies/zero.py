@@ -94,30 +94,14 @@ class ZeroEngine:
 
     def local_state(self) -> list[torch.Tensor]:
         low, master = self._flat_groups()
-<<<<<<< HEAD
-        inner = self.optimizer.optimizer
-        if self.stage == 3:
-            # ZeRO-3 hands its torch optimizer one fp32 partition at a time, only while it steps (param_groups are
-            # empty otherwise); do the same so the lazily-made Adam state exists before the first update
-            for sub, fp32 in enumerate(master):
-                group = inner.param_groups[self.optimizer.sub_group_to_group_id[sub]]
-                group["params"] = [fp32]
-                try:
-                    materialize_optimizer_state(inner)
-                finally:
-                    group["params"] = []
-        else:
-            materialize_optimizer_state(inner)
-        return low + master + optimizer_tensors(self.optimizer.optimizer, master)
-
-    def match_running_layout(self, x, y) -> None:
-        pass  # a joining ZeRO-3 engine starts with no parameter trace; so do the others after a failure (discard_step)
-=======
         if self.stage == 3:
             self._materialize_stage3(master)
         else:
             materialize_optimizer_state(self.optimizer.optimizer)
         return low + master + optimizer_tensors(self.optimizer.optimizer, master)
+
+    def match_running_layout(self, x, y) -> None:
+        pass  # a joining ZeRO-3 engine starts with no parameter trace; so do the others after a failure (discard_step)
 
     def _materialize_stage3(self, master: list[torch.Tensor]) -> None:
         """ZeRO-3 hands its fp32 partitions to the torch optimizer only inside its step (param_groups are empty
@@ -139,7 +123,6 @@ class ZeroEngine:
                 g["params"] = ps
             for f, grad in zip(master, grads):
                 f.grad = grad
->>>>>>> parity
 
     def checkpoint_state(self) -> dict:
         # ZeRO partitions are rank-specific; each rank saves and loads its own keys (same world size to resume)
