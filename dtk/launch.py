@@ -341,7 +341,11 @@ class Launcher:
         records = [describe_failure(self, rank=q, code=self.procs[q].returncode, t_detect=t_detect) for q in ranks]
         what = ", ".join(f"rank {f['rank']} ({f['fault']})" for f in records)
         started = self._started()
-        self.storm.failed(committed=records[0]["committed"], t_detect=t_detect)
+        # progress that a recovery keeps: committed steps in place, the latest checkpoint for a restart
+        from dtk.resilience import checkpoint
+
+        kept = (checkpoint.latest(self.run_dir) or (0, None))[0] if r.mode == "checkpoint" else records[0]["committed"]
+        self.storm.failed(committed=kept, t_detect=t_detect)
         stop = None
         if r.mode == "none":
             stop = f"error: {what} failed; the run is stopped."

@@ -84,7 +84,8 @@ class HangWatch:
 
 
 class StormWatch:
-    """Failures that come faster than recovery makes progress: STORM_FAILURES in a row with no step committed."""
+    """Failures that come faster than recovery makes progress: STORM_FAILURES in a row with no progress kept between
+    them (a step committed in place; a newer checkpoint for the checkpoint baseline, whose restarts lose the rest)."""
 
     def __init__(self):
         self.streak: list[dict] = []
@@ -103,7 +104,7 @@ class StormWatch:
         took = [f["recovery_s"] for f in failures if f.get("recovery_s")]
         recovery = f"a recovery takes {statistics.median(took):.1f}s" if took else "no recovery finished"
         return (f"failures come faster than recovery makes progress: {len(self.streak)} in a row {every:.1f}s "
-                f"apart, {recovery}, and the last step that advanced is {self.streak[-1]['committed']}; "
+                f"apart, {recovery}, and the last step that advanced (and was kept) is {self.streak[-1]['committed']}; "
                 f"the run is stopped")
 
 
