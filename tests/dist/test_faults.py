@@ -38,7 +38,7 @@ def references(tmp_path_factory):
 
 # 3 ranks: a sum of three numbers depends on its order, so a restart that reduces otherwise shows (2 ranks hide it)
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2", "zero3"])
 @pytest.mark.parametrize("fault, nproc", [("kill", 3), ("hang", 2)])
 def test_fault_recovered_from_checkpoint_with_same_losses(tmp_path, references, strategy, fault, nproc):
     run_dir = tmp_path / "run"
