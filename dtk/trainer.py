@@ -162,6 +162,7 @@ class Trainer:
                                                 on_repair=lambda step: self.injector.at(step, "recovery"),
                                                 parity=self.parity)
                 self.control.phase = "train"
+                self._sums = None  # a rollback changed the state on purpose: the checksum starts again
                 if self.writer:
                     self.writer.truncate_from(step)  # a rollback to an older protected step redoes the steps after it
                 continue
