@@ -194,6 +194,10 @@ class SeamWork(dist._Work):
             except RuntimeError as e:
                 # c10d's slice timeout; the op may complete just after it, so its outcome is read on the next turn
                 if running and "Operation timed out!" in str(e):
+                    if Seam.failed_generation >= self._generation:
+                        # its generation failed: a release may have run between this op's issue and its
+                        # registration as outstanding, and releases come once per generation
+                        self._finish()
                     continue
                 self._failed(e)
             except Exception as e:  # noqa: BLE001 -- whatever the inner backend raises, the strategy must not see it
