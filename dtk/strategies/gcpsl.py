@@ -162,6 +162,9 @@ class GCPSLEngine:
             out += [p.data for p in w.params] + optimizer_tensors(w.optimizer, w.params)
         return out + [self.step_counter]
 
+    def match_running_layout(self, x, y) -> None:
+        pass  # its only collective is the merge's all-reduce, the same on every rank from the first step
+
     def checkpoint_state(self) -> dict:
         # keys name the cluster, so each rank saves and loads only its own
         return {"clusters": {str(k): torch_checkpoint_state(w.pair, w.optimizer) for k, w in self.workloads.items()},
