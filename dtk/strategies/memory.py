@@ -64,6 +64,8 @@ def model_state_bytes(engine) -> dict | None:
     one in fp32 whatever the model's dtype) counts as optimizer state, as in the ZeRO paper's K."""
     if engine in _measured:
         return _measured[engine]
+    if not hasattr(engine, "_flat_groups") and not hasattr(engine, "optimizer"):
+        return None  # an engine with no single optimizer (gcpsl: one per cluster) is not measured here
     params, stepped, optimizer = _parts(engine)
     if optimizer not in _grads or not optimizer.state:
         return None
