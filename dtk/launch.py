@@ -339,7 +339,7 @@ class Launcher:
         t_detect = time.time()
         r = self.recipe.resilience
         records = [describe_failure(self, rank=q, code=self.procs[q].returncode, t_detect=t_detect) for q in ranks]
-        what = ", ".join(f"rank {f['rank']} ({f['fault']})" for f in records)
+        what = " and ".join(f"rank {f['rank']} failed ({f['fault']})" for f in records)
         started = self._started()
         # progress that a recovery keeps: committed steps in place, the latest checkpoint for a restart
         from dtk.resilience import checkpoint
@@ -348,12 +348,12 @@ class Launcher:
         self.storm.failed(committed=kept, t_detect=t_detect)
         stop = None
         if r.mode == "none":
-            stop = f"error: {what} failed; the run is stopped."
+            stop = f"error: {what}; the run is stopped."
         elif len(self.failures) + len(records) > r.max_failures:
-            stop = f"error: {what} failed (resilience.max_failures={r.max_failures} reached); the run is stopped."
+            stop = f"error: {what} (resilience.max_failures={r.max_failures} reached); the run is stopped."
         elif not started:
             # before every rank has started, the others are still in their first rendezvous: nothing to keep
-            stop = f"error: {what} failed before every rank started; the run is stopped."
+            stop = f"error: {what} before every rank started; the run is stopped."
         elif verdict := self.storm.verdict(self.failures):
             stop = f"error: {verdict}."
         if stop is not None:
@@ -367,7 +367,7 @@ class Launcher:
             if self.recipe.checkpoint.every:
                 return self._restart(records, t_detect=t_detect,
                                      action=f"in-place recovery failed ({e}); restarted from checkpoint")
-            return self._stop(records, f"error: {what} failed and in-place recovery failed: {e}; the run is "
+            return self._stop(records, f"error: {what}, and in-place recovery failed: {e}; the run is "
                                        f"stopped (set checkpoint.every to fall back on a checkpoint).")
         for extra in sorted(set(figures["lost_ranks"]) - set(ranks)):  # lost while recovering
             records.append({"rank": extra, "fault": "failed during recovery", "exit": "-", "attempt": self.attempt,

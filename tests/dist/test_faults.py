@@ -67,7 +67,7 @@ def test_corrupt_state_is_caught_by_checksum_and_not_trained_on(tmp_path, refere
     # without recovery the run stops and says why; with the baseline it is repaired from the checkpoint
     stopped = inject(tmp_path / "none", "--fault", "corrupt:rank=1,step=7")
     assert stopped.returncode == 1
-    assert "rank 1 (corrupt) failed" in stopped.stderr and "checksum mismatch" in stopped.stderr
+    assert "rank 1 failed (corrupt)" in stopped.stderr and "checksum mismatch" in stopped.stderr
     assert len(losses(tmp_path / "none")) == 7  # nothing was trained on the flipped bit
 
     repaired = inject(tmp_path / "ckpt", "resilience.mode=checkpoint", "--fault", "corrupt:rank=1,step=7")
