@@ -21,7 +21,7 @@ def _inject(run_dir, *args, timeout=540):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("strategy", ["fsdp", "zero1", "zero2"])
+@pytest.mark.parametrize("strategy", ["fsdp", "zero2"])
 def test_lost_shards_are_rebuilt_from_parity_in_every_phase(tmp_path, strategy):
     three = ["world.nproc=3", "training.steps=18", "training.seed=3", f"strategy.name={strategy}"]
     ref = losses(train(tmp_path / "ref", *three))

@@ -41,8 +41,9 @@ CASES = [
     ("missing_text_file", QUICKSTART, ["data.name=text", "data.path=no/such/text.txt"],
      ["data.path", "'no/such/text.txt'", "no such file"]),
     ("bad_target", QUICKSTART, ["model.target=mymodels"], ["model.target", "'mymodels'"]),
-    ("inplace_with_fsdp", QUICKSTART, ["resilience.mode=inplace", "strategy.name=fsdp"],
-     ["resilience.mode", "'inplace'", "'fsdp'"]),
+    ("parity_groups_do_not_tile", QUICKSTART, ["resilience.mode=inplace", "strategy.name=fsdp", "world.nproc=3",
+                                                "resilience.parity_group=2"],
+     ["resilience.parity_group", "got 2", "accepted: 3"]),
     ("regroup_out_of_range", QUICKSTART, ["training.steps=10", "comm.regroup_at=[10]"], ["comm.regroup_at", "[10]"]),
     ("node_rank_too_big", QUICKSTART, ["--nnodes", "2", "--node-rank", "2"], ["--node-rank", "2", "0..1"]),
     ("zero_nnodes", QUICKSTART, ["--nnodes", "0"], ["--nnodes", "'0'"]),
@@ -99,8 +100,8 @@ def test_validate_reports_several_errors_at_once(tmp_path):
 
 def test_validate_reports_cross_field_errors_at_once(tmp_path):
     p = run_dtk("validate", QUICKSTART, "data.name=text", "model.heads=3", "resilience.mode=inplace",
-                "strategy.name=zero2", timeout=60)
-    lines = assert_user_error(p, ["data.path", "model.heads", "resilience.mode"])
+                "strategy.name=zero2", "world.nproc=3", "resilience.parity_group=2", timeout=60)
+    lines = assert_user_error(p, ["data.path", "model.heads", "resilience.parity_group"])
     assert len(lines) == 3, p.stderr
 
 
