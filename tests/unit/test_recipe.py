@@ -124,9 +124,10 @@ def test_all_errors_are_reported_at_once(tmp_path):
 
 def test_cross_field_errors_are_reported_at_once(tmp_path):
     lines = errors_of(write(tmp_path, ""), ["data.name=text", "model.width=30", "model.heads=4",
-                                           "resilience.mode=inplace", "strategy.name=fsdp"])
+                                           "resilience.mode=inplace", "strategy.name=fsdp", "world.nproc=3",
+                                           "resilience.parity_group=2"])
     fields = sorted(line.split(":")[0] for line in lines)
-    assert fields == ["data.path", "model.heads", "resilience.mode"], lines
+    assert fields == ["data.path", "model.heads", "resilience.parity_group"], lines
 
 
 @pytest.mark.parametrize("overrides, field, bad", [
