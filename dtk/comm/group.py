@@ -186,6 +186,19 @@ class SeamWork(dist._Work):
             future.set_result(self._result)  # outside the lock: it runs the strategy's callbacks
 
     def wait(self, timeout=None) -> bool:
+        if not self._done and not _has_future(self._inner):
+            # gloo's future-less works (_reduce_scatter_base) block in wait() whatever its timeout, so a release
+            # could not reach this thread: the group's waiter thread blocks on them, and this one only polls
+            self._group.waiter.watch(self)
+            while not self._done:
+                if Seam.failed_generation >= self._generation:
+                    self._finish()
+                    break
+                time.sleep(WAIT_SLICE.total_seconds() / 10)
+            return True
+        return self._block()
+
+    def _block(self) -> bool:
         inner = self._inner
         while not self._done:
             running = not inner.is_completed()
@@ -257,7 +270,15 @@ class Waiter:
 
     def _loop(self) -> None:
         while True:
-            self._queue.get().wait()
+            self._queue.get()._block()
+
+
+def _has_future(inner) -> bool:
+    try:
+        inner.get_future()
+    except RuntimeError:
+        return False
+    return True
 
 
 class _Serial:
