@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dtk.comm.group import WAIT_SLICE, Seam, SeamWork
+from dtk.comm.group import WAIT_SLICE, Seam, SeamWork, Waiter
 
 
 class InnerWork:
@@ -20,6 +20,9 @@ class InnerWork:
 
     def is_completed(self) -> bool:
         return self.completed
+
+    def get_future(self):
+        return None  # gloo's works have one (all but _reduce_scatter_base): the seam waits on them directly
 
     def wait(self, timeout=None) -> bool:
         self.waits += 1
@@ -38,7 +41,7 @@ class InnerWork:
 
 @pytest.fixture
 def group():
-    g = SimpleNamespace(outstanding=set(), rank=lambda: 0)
+    g = SimpleNamespace(outstanding=set(), rank=lambda: 0, waiter=Waiter())
     Seam.failure, Seam.failed_generation, Seam.groups = None, -1, []
     yield g
     Seam.failure, Seam.failed_generation, Seam.groups = None, -1, []
@@ -67,3 +70,26 @@ def test_a_release_frees_a_wait_that_would_block(group):
     assert work.wait() is True
     assert time.monotonic() - t0 < 0.1 + 3 * WAIT_SLICE.total_seconds()
     assert Seam.failure == "rank 1 died" and not group.outstanding
+
+
+class FuturelessWork:
+    """gloo's _reduce_scatter_base work: no future, and a wait() that blocks whatever its timeout."""
+
+    def get_future(self):
+        raise RuntimeError("this work has no future")
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self, timeout=None) -> bool:
+        threading.Event().wait()
+
+
+def test_a_release_frees_a_wait_on_a_work_that_ignores_its_timeout(group):
+    Seam.groups = [SimpleNamespace(release_outstanding=lambda: [w._finish() for w in list(group.outstanding)])]
+    work = SeamWork(group, "reduce_scatter", None, FuturelessWork())
+    threading.Timer(0.1, Seam.release, args=("rank 2 died",)).start()
+    t0 = time.monotonic()
+    assert work.wait() is True
+    assert time.monotonic() - t0 < 0.1 + 3 * WAIT_SLICE.total_seconds()
+    assert Seam.failure == "rank 2 died" and not group.outstanding
