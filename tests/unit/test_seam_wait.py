@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from dtk.comm.group import WAIT_SLICE, Seam, SeamWork, Waiter
+from dtk.comm.group import Seam, SeamWork, Waiter
 
 
 class InnerWork:
@@ -66,9 +66,7 @@ def test_a_release_frees_a_wait_that_would_block(group):
     Seam.groups = [SimpleNamespace(release_outstanding=lambda: [w._finish() for w in list(group.outstanding)])]
     work = SeamWork(group, "reduce_scatter", None, InnerWork([]))
     threading.Timer(0.1, Seam.release, args=("rank 1 died",)).start()
-    t0 = time.monotonic()
-    assert work.wait() is True
-    assert time.monotonic() - t0 < 0.1 + 3 * WAIT_SLICE.total_seconds()
+    assert work.wait() is True  # without the release it would block for good (pytest's timeout ends it)
     assert Seam.failure == "rank 1 died" and not group.outstanding
 
 
@@ -89,7 +87,5 @@ def test_a_release_frees_a_wait_on_a_work_that_ignores_its_timeout(group):
     Seam.groups = [SimpleNamespace(release_outstanding=lambda: [w._finish() for w in list(group.outstanding)])]
     work = SeamWork(group, "reduce_scatter", None, FuturelessWork())
     threading.Timer(0.1, Seam.release, args=("rank 2 died",)).start()
-    t0 = time.monotonic()
-    assert work.wait() is True
-    assert time.monotonic() - t0 < 0.1 + 3 * WAIT_SLICE.total_seconds()
+    assert work.wait() is True  # without the release it would block for good (pytest's timeout ends it)
     assert Seam.failure == "rank 2 died" and not group.outstanding
