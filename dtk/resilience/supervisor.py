@@ -102,7 +102,8 @@ class StormWatch:
         span = self.streak[-1]["t"] - self.streak[0]["t"]
         every = span / (len(self.streak) - 1)
         took = [f["recovery_s"] for f in failures if f.get("recovery_s")]
-        recovery = f"a recovery takes {statistics.median(took):.1f}s" if took else "no recovery finished"
+        recovery = (f"a recovery takes {statistics.median(took):.1f}s" if took
+                    else "no restart lasted until its next checkpoint")
         return (f"failures come faster than recovery makes progress: {len(self.streak)} in a row {every:.1f}s "
                 f"apart, {recovery}, and the last step that advanced (and was kept) is {self.streak[-1]['committed']}; "
                 f"the run is stopped")

@@ -126,8 +126,8 @@ def test_a_storm_of_random_failures_in_place_keeps_the_losses(tmp_path):
 @pytest.mark.timeout(420)
 def test_failures_faster_than_a_restart_stop_the_run_with_one_line(tmp_path):
     run_dir = tmp_path / "hopeless"
-    # a checkpoint every 50 steps cannot be reached between faults 300 ms apart: every restart loses its progress
-    p = run_dtk("inject-failure", RECIPES / "quickstart.yaml", *TINY, "training.steps=3000", "checkpoint.every=50",
+    # a checkpoint every 1000 steps cannot be reached between faults 300 ms apart: every restart loses its progress
+    p = run_dtk("inject-failure", RECIPES / "quickstart.yaml", *TINY, "training.steps=3000", "checkpoint.every=1000",
                 "resilience.mode=checkpoint", "resilience.max_failures=100", f"output.dir={run_dir}",
                 "--mtbf", "300ms", "--seed", "1", "--no-progress", timeout=400)
     assert p.returncode == 1
