@@ -49,6 +49,31 @@ def _become_rank(run_dir: str, rank: int) -> None:
     _setup_logging(f"rank {rank}")
 
 
+def _rehearse(recipe, ctx, group, *, model, rank: int, warm) -> None:
+    """A sharded engine depends on its rank, so a shadow cannot build the one it will run before it is promoted.
+    It builds one for a rank it may take, on its local group, and throws it away: the first build of a process
+    pays for lazy imports, DeepSpeed's config and op set-up and the allocator's first pages (2.3 s for a tiny
+    ZeRO model here); a second one, for the real rank at promotion, takes milliseconds."""
+    import copy
+    import gc
+
+    from dtk.comm.group import Seam
+    from dtk.strategies import BuildContext, build_engine, forget_engines
+
+    model = copy.deepcopy(model)  # the engine changes the model it wraps; the pristine one is kept for the real build
+    t0 = time.time()
+    Seam.assume_rank(rank, world=group.size())
+    with Seam.uncounted():
+        engine = build_engine(recipe.strategy.name, BuildContext(model_factory=lambda: model, recipe=recipe,
+                                                                 group=group, device=ctx.device))
+        engine.match_running_layout(*warm)
+    del engine, model
+    forget_engines(recipe.strategy.name)
+    gc.collect()
+    logging.getLogger(__name__).info("rehearsed a %s engine for rank %d in %.2fs", recipe.strategy.name, rank,
+                                     time.time() - t0)
+
+
 def run_rank() -> None:
     shadow_id = os.environ.get("DTK_SHADOW")
     rank, world = int(os.environ.get("RANK", "0")), int(os.environ["WORLD_SIZE"])
@@ -68,7 +93,7 @@ def run_rank() -> None:
     from dtk.resilience import checkpoint, inplace, shadow
     from dtk.resilience.control import Control, connect
     from dtk.resilience.faults import Fault, Injector
-    from dtk.strategies import RANK_AGNOSTIC, BuildContext, build_engine
+    from dtk.strategies import RANK_AGNOSTIC, REHEARSABLE, BuildContext, build_engine
     from dtk.trainer import Trainer
 
     if shadow_id is not None and recipe.strategy.name.startswith("zero"):
@@ -110,13 +135,15 @@ def run_rank() -> None:
             engine = build_engine(recipe.strategy.name, ctx)
             with Seam.uncounted():
                 engine.match_running_layout(*warm)
+        elif recipe.strategy.name in REHEARSABLE:
+            _rehearse(recipe, ctx, group, model=prebuilt[0], rank=rank, warm=warm)
         promotion = shadow.wait_for_promotion(store, attempt=attempt, shadow_id=shadow_id, ready={
             "pid": os.getpid(), "engine_built": engine is not None, "ready_at": time.time(),
             "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
         rank, join = promotion["rank"], str(promotion["generation"])
         timeline["promoted_at"] = time.time()
         _become_rank(run_dir, rank)
-        group.assume_rank(rank)
+        Seam.assume_rank(rank, world=world)
         logging.getLogger(__name__).warning("shadow %s promoted to rank %d for generation %s", shadow_id, rank, join)
     if engine is None:
         engine = build_engine(recipe.strategy.name, ctx)

@@ -132,6 +132,16 @@ class Seam:
         return reason
 
     @classmethod
+    def assume_rank(cls, rank: int, *, world: int) -> None:
+        """A shadow takes `rank` in every group it has made so far: the world, and the world-sized groups an engine
+        made before the promotion (DeepSpeed's data-parallel group, made once and cached per process)."""
+        for g in cls.groups:
+            if g.size() != world:
+                raise RuntimeError(f"a group of {g.size()} ranks was made before the promotion; a shadow can only "
+                                   f"take a rank in groups of the whole world ({world})")
+            g.assume_rank(rank)
+
+    @classmethod
     def reconfigure(cls, generation: int) -> float:
         """Rebuild the inner group of every DtkGroup, in creation order, for `generation`; returns seconds."""
         t0 = time.perf_counter()
