@@ -3,9 +3,12 @@ downtime (fault to the completion, after recovery, of the step it interrupted) a
 fault kind; and what keeping a shadow costs a run without failures (steps/s with resilience.shadows=1 / 0).
 
     python benchmarks/inplace.py [--reps 2] [--models small,big] [--faults kill,hang] [--steady-steps 60]
+        [--strategies ddp,fsdp,zero1,zero2,zero3] [--parity-steps 40]
 
 small = the recovery benchmark's 3.2M-parameter GPT (checkpoint every 10, fault at step 25); big = a ~50M-parameter
-GPT (8 layers x 704; checkpoint every 5, fault at step 12). 2 ranks, DDP, gloo. Repetitions alternate the order.
+GPT (8 layers x 704; checkpoint every 5, fault at step 12). 2 ranks, gloo, each strategy given (sharded ones rebuild
+the lost rank from parity). Repetitions alternate the order. --parity-steps: what keeping parity current costs a
+sharded run without failures (steps/s with resilience.mode=inplace and no shadow / resilience.mode=none).
 """
 from __future__ import annotations
 
@@ -29,11 +32,11 @@ MODELS = {
 }
 
 
-def run_failure(model: str, fault: str, mode: str, workdir: Path) -> dict:
+def run_failure(model: str, fault: str, mode: str, workdir: Path, strategy: str = "ddp") -> dict:
     m = MODELS[model]
-    run_dir = workdir / f"{model}-{fault}-{mode}-{time.monotonic_ns()}"
+    run_dir = workdir / f"{model}-{fault}-{mode}-{strategy}-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "dtk.cli", "inject-failure", str(ROOT / "recipes" / "quickstart.yaml"),
-           *dtk_overrides(), *m["overrides"], f"training.steps={m['at'] + 1}", f"resilience.mode={mode}",
+           *dtk_overrides(), *m["overrides"], f"strategy.name={strategy}", f"training.steps={m['at'] + 1}", f"resilience.mode={mode}",
            f"checkpoint.every={m['every']}", f"output.dir={run_dir}", "--fault", f"{fault}:rank=1,step={m['at']}",
            "--no-progress"]
     _run(cmd, what=f"dtk {model} {fault} {mode}")
@@ -44,6 +47,7 @@ def run_failure(model: str, fault: str, mode: str, workdir: Path) -> dict:
     return {"downtime_s": f["downtime_s"], "detect_s": f["detect_s"], "steps_lost": f["steps_lost"],
             "breakdown_s": f.get("breakdown_s", {}), "repair_bytes": f.get("repair_bytes"),
             "replacement": [r["replacement"] for r in f.get("replacements", [])],
+            "rebuilt_from": f.get("rebuilt_from"),
             "hang_timeout_s": summary.get("resilience", {}).get("heartbeat_timeout_s"),
             "final_loss": summary["final_loss"]}
 
@@ -57,12 +61,24 @@ def run_steady(shadows: int, steps: int, workdir: Path) -> float:
     return json.loads((run_dir / "summary.json").read_text())["throughput"]
 
 
+def run_parity(strategy: str, mode: str, steps: int, workdir: Path) -> dict:
+    run_dir = workdir / f"parity-{strategy}-{mode}-{time.monotonic_ns()}"
+    cmd = [sys.executable, "-m", "dtk.cli", "train", str(ROOT / "recipes" / "quickstart.yaml"), *dtk_overrides(),
+           f"strategy.name={strategy}", f"training.steps={steps}", "training.warmup_steps=5",
+           f"resilience.mode={mode}", "resilience.shadows=0", f"output.dir={run_dir}", "--no-progress"]
+    _run(cmd, what=f"dtk parity {strategy} {mode}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"tokens_per_s": summary["throughput"], "parity": summary.get("parity")}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--models", default="small,big")
     p.add_argument("--faults", default="kill,hang")
     p.add_argument("--steady-steps", type=int, default=60, help="0: leave out the steady-state cost")
+    p.add_argument("--strategies", default="ddp")
+    p.add_argument("--parity-steps", type=int, default=0, help="steps of the parity cost runs (0: leave them out)")
     p.add_argument("--out", default=str(RESULTS / "inplace.json"))
     args = p.parse_args()
     t0 = time.time()
@@ -70,32 +86,47 @@ def main() -> None:
     steady: dict[int, list[float]] = {1: [], 0: []}
     with tempfile.TemporaryDirectory(prefix="dtk-inplace-") as tmp:
         workdir = Path(tmp)
-        for model in args.models.split(","):
-            for fault in args.faults.split(","):
-                runs: dict[str, list] = {"checkpoint": [], "inplace": []}
-                for rep in range(args.reps):
-                    for mode in (("checkpoint", "inplace") if rep % 2 == 0 else ("inplace", "checkpoint")):
-                        runs[mode].append(run_failure(model, fault, mode, workdir))
-                        print(f"  {model} {fault} {mode} rep {rep + 1}: downtime {runs[mode][-1]['downtime_s']:.2f}s "
-                              f"({time.time() - t0:.0f}s in)", flush=True)
-                med = {k: statistics.median(r["downtime_s"] for r in v) for k, v in runs.items()}
-                cases[f"{model} {fault}"] = {"runs": runs, "downtime_median_s": med,
-                                             "ratio_checkpoint_over_inplace": med["checkpoint"] / med["inplace"]}
+        for strategy in args.strategies.split(","):
+            for model in args.models.split(","):
+                for fault in args.faults.split(","):
+                    runs: dict[str, list] = {"checkpoint": [], "inplace": []}
+                    for rep in range(args.reps):
+                        for mode in (("checkpoint", "inplace") if rep % 2 == 0 else ("inplace", "checkpoint")):
+                            runs[mode].append(run_failure(model, fault, mode, workdir, strategy))
+                            print(f"  {strategy} {model} {fault} {mode} rep {rep + 1}: downtime "
+                                  f"{runs[mode][-1]['downtime_s']:.2f}s ({time.time() - t0:.0f}s in)", flush=True)
+                    med = {k: statistics.median(r["downtime_s"] for r in v) for k, v in runs.items()}
+                    cases[f"{strategy} {model} {fault}"] = {
+                        "runs": runs, "downtime_median_s": med,
+                        "ratio_checkpoint_over_inplace": med["checkpoint"] / med["inplace"]}
+        parity_cost: dict[str, dict] = {}
+        for strategy in (s for s in args.strategies.split(",") if s != "ddp" and args.parity_steps):
+            runs = {"inplace": [], "none": []}
+            for rep in range(args.reps):
+                for mode in (("inplace", "none") if rep % 2 == 0 else ("none", "inplace")):
+                    runs[mode].append(run_parity(strategy, mode, args.parity_steps, workdir))
+            tps = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in runs.items()}
+            parity_cost[strategy] = {"runs": runs, "ratio": tps["inplace"] / tps["none"],
+                                     "parity": runs["inplace"][-1]["parity"]}
+            print(f"  parity {strategy}: steps/s with parity / without {parity_cost[strategy]['ratio']:.3f}", flush=True)
         for rep in range(args.reps if args.steady_steps else 0):
             for shadows in ((1, 0) if rep % 2 == 0 else (0, 1)):
                 steady[shadows].append(run_steady(shadows, args.steady_steps, workdir))
                 print(f"  steady shadows={shadows} rep {rep + 1}: {steady[shadows][-1]:,.0f} tokens/s", flush=True)
-    print(f"\n{'case':<12} {'checkpoint s':>13} {'in place s':>11} {'ratio':>7}  in-place stages (median s)")
+    print(f"\n{'case':<22} {'checkpoint s':>13} {'in place s':>11} {'ratio':>7}  in-place stages (median s)")
     for name, c in cases.items():
         stages = {}
         for r in c["runs"]["inplace"]:
             for k, v in r["breakdown_s"].items():
                 stages.setdefault(k, []).append(v)
         line = " ".join(f"{k} {statistics.median(v):.3f}" for k, v in stages.items())
-        print(f"{name:<12} {c['downtime_median_s']['checkpoint']:>13.2f} {c['downtime_median_s']['inplace']:>11.2f} "
+        print(f"{name:<22} {c['downtime_median_s']['checkpoint']:>13.2f} {c['downtime_median_s']['inplace']:>11.2f} "
               f"{c['ratio_checkpoint_over_inplace']:>6.1f}x  {line}")
     report = {"benchmark": "inplace", "command": " ".join(["python", *sys.argv]), "cases": cases,
-              "wall_seconds": time.time() - t0}
+              "parity_cost": parity_cost, "wall_seconds": time.time() - t0}
+    for strategy, c in parity_cost.items():
+        ex = (c["parity"] or {}).get("exchange", {})
+        print(f"parity {strategy}: steps/s ratio {c['ratio']:.3f}; exchange {ex}")
     if steady[1] and steady[0]:
         report["steady"] = {"tokens_per_s_shadows_1": steady[1], "tokens_per_s_shadows_0": steady[0],
                             "ratio": statistics.median(steady[1]) / statistics.median(steady[0])}

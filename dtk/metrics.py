@@ -18,6 +18,9 @@ class MetricsWriter:
             keep = [line for line in read_jsonl(self.path) if line.get("step", -1) < step]
             self.path.write_text("".join(json.dumps(r) + "\n" for r in keep))
 
+    def has(self, step: int) -> bool:
+        return any(r.get("step") == step for r in read_jsonl(self.path))
+
     def write(self, record: dict) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")

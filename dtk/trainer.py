@@ -150,6 +150,7 @@ class Trainer:
     def run(self, *, start_step: int) -> None:
         r = self.recipe
         step = start_step
+        self.last_record: dict | None = None
         Seam.stats.take()  # the engine's start-up traffic (DDP's broadcast, DeepSpeed's init) is not a step's
         if self.parity is not None and not self.parity.slots:  # (a rebuilt replacement's recovery protected it)
             self.parity.protect(step)
@@ -160,13 +161,14 @@ class Trainer:
                 step = inplace.recover_survivor(engine=self.engine, control=self.control, group=self.group,
                                                 committed_step=step, device=self.device,
                                                 on_repair=lambda step: self.injector.at(step, "recovery"),
-                                                parity=self.parity)
+                                                parity=self.parity, last_record=self.last_record)
                 self.control.phase = "train"
                 self._sums = None  # a rollback changed the state on purpose: the checksum starts again
                 if self.writer:
                     self.writer.truncate_from(step)  # a rollback to an older protected step redoes the steps after it
                 continue
             step += 1
+            self.last_record = record
             if self.parity is not None:
                 self.parity.protect(step)  # built while the next step's forward and backward run
             self.control.step_seconds = record["step_seconds"]

