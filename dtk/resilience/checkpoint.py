@@ -50,3 +50,66 @@ def load(engine, path: Path) -> int:
     dcp.load(state, checkpoint_id=str(path))
     engine.after_checkpoint_load(state["engine"])
     return int(state["step"])
+
+
+def _files(path: Path) -> dict[str, int]:
+    """A checkpoint folder's files and their sizes (DCP: .metadata and one or more .distcp per rank)."""
+    return {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()} if path.is_dir() else {}
+
+
+def check_shared(store, *, run_dir: str | Path, node_rank: int, nnodes: int, resume: str, timeout_s: float) -> None:
+    """Before a multi-node run resumes, every host must read the checkpoint node 0 resumes from, file for file;
+    otherwise each rank would load what its own disk holds (or nothing) and the ranks would disagree on the step.
+    Node 0 publishes its latest checkpoint on the store; every other node compares and answers; a mismatch is one
+    line on that node and on node 0, naming output.dir. Called by each node's launcher before it starts ranks."""
+    if nnodes < 2 or resume != "auto":
+        return
+    import datetime
+    import json
+    import socket
+
+    from dtk.errors import DtkError
+
+    kv = dist.PrefixStore("checkpoint-shared", store)
+    wait = datetime.timedelta(seconds=timeout_s)
+    hint = "put output.dir on a file system every host can read (NFS, Lustre, ...)"
+    if node_rank == 0:
+        found = latest(run_dir)
+        kv.set("node0", json.dumps({"step": found[0] if found else None, "host": socket.gethostname(),
+                                    "files": _files(found[1]) if found else {}}))
+        if found is None:
+            return  # nothing to resume from here: a host holding an older run's checkpoint refuses on its side
+        bad = []
+        for k in range(1, nnodes):
+            try:
+                kv.wait([f"verdict/{k}"], wait)
+            except Exception:  # noqa: BLE001 - a host that never came: the rendezvous names it, not this check
+                continue
+            verdict = json.loads(kv.get(f"verdict/{k}"))
+            if verdict["problem"]:
+                bad.append(f"node {k} ({verdict['host']}): {verdict['problem']}")
+        if bad:
+            raise DtkError(f"output.dir: got {str(run_dir)!r}; this host resumes from the checkpoint of step "
+                           f"{found[0]}, but {'; '.join(bad)}; {hint}")
+        return
+    kv.wait(["node0"], wait)
+    node0 = json.loads(kv.get("node0"))
+    mine = latest(run_dir)
+    step = node0["step"]
+    problem = ""
+    if step is None and mine is not None:
+        problem = f"it holds a checkpoint of step {mine[0]} that node 0 does not see"
+    elif step is not None:
+        here = _files(checkpoint_dir(run_dir) / f"step_{step}")
+        missing = [name for name, size in node0["files"].items() if here.get(name) != size]
+        if missing:
+            problem = (f"{checkpoint_dir(run_dir) / f'step_{step}'} is missing or incomplete here "
+                       f"({', '.join(missing[:3])}{f' and {len(missing) - 3} more' if len(missing) > 3 else ''} "
+                       f"absent or of another size)")
+        elif mine is not None and mine[0] != step:
+            problem = f"its newest checkpoint is of step {mine[0]}, node 0's of step {step}"
+    kv.set(f"verdict/{node_rank}", json.dumps({"host": socket.gethostname(), "problem": problem}))
+    if problem:
+        where = f"node 0 ({node0['host']}) resumes from step {step}" if step is not None else "node 0 starts afresh"
+        raise DtkError(f"output.dir: got {str(run_dir)!r}; {where}, but on this host (node {node_rank}, "
+                       f"{socket.gethostname()}) {problem}; {hint}")
