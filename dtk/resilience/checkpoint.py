@@ -52,16 +52,33 @@ def load(engine, path: Path) -> int:
     return int(state["step"])
 
 
-def _files(path: Path) -> dict[str, int]:
-    """A checkpoint folder's files and their sizes (DCP: .metadata and one or more .distcp per rank)."""
-    return {p.name: p.stat().st_size for p in sorted(path.iterdir()) if p.is_file()} if path.is_dir() else {}
+
+def _needed(path: Path) -> dict[str, int]:
+    """The files a checkpoint's .metadata names (each rank's shards), with the bytes each must hold at least."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    need = {".metadata": (path / ".metadata").stat().st_size}
+    for info in (FileSystemReader(str(path)).read_metadata().storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    return need
+
+
+def _missing(path: Path, need: dict[str, int]) -> str:
+    """'' when `path` holds every file of `need` in full, else which ones it lacks (for an error line)."""
+    here = {p.name: p.stat().st_size for p in path.iterdir() if p.is_file()} if path.is_dir() else {}
+    gone = [name for name, size in sorted(need.items()) if here.get(name, -1) < size]
+    if not gone:
+        return ""
+    more = f" and {len(gone) - 3} more" if len(gone) > 3 else ""
+    return f"{path} lacks {', '.join(gone[:3])}{more} (absent or cut short)"
 
 
 def check_shared(store, *, run_dir: str | Path, node_rank: int, nnodes: int, resume: str, timeout_s: float) -> None:
-    """Before a multi-node run resumes, every host must read the checkpoint node 0 resumes from, file for file;
-    otherwise each rank would load what its own disk holds (or nothing) and the ranks would disagree on the step.
-    Node 0 publishes its latest checkpoint on the store; every other node compares and answers; a mismatch is one
-    line on that node and on node 0, naming output.dir. Called by each node's launcher before it starts ranks."""
+    """Before a multi-node run resumes, every host must read, in full, the checkpoint node 0 resumes from (every
+    file its .metadata names); otherwise ranks load what their own disk holds (or nothing) and disagree on the step,
+    or fail on a shard another host wrote to its own disk. Node 0 publishes its latest checkpoint on the store, every
+    other node answers; a mismatch is one line on that node and on node 0, naming output.dir. Called by each node's
+    launcher before it starts ranks."""
     if nnodes < 2 or resume != "auto":
         return
     import datetime
@@ -75,11 +92,11 @@ def check_shared(store, *, run_dir: str | Path, node_rank: int, nnodes: int, res
     hint = "put output.dir on a file system every host can read (NFS, Lustre, ...)"
     if node_rank == 0:
         found = latest(run_dir)
-        kv.set("node0", json.dumps({"step": found[0] if found else None, "host": socket.gethostname(),
-                                    "files": _files(found[1]) if found else {}}))
+        need = _needed(found[1]) if found else {}
+        kv.set("node0", json.dumps({"step": found[0] if found else None, "host": socket.gethostname(), "need": need}))
         if found is None:
             return  # nothing to resume from here: a host holding an older run's checkpoint refuses on its side
-        bad = []
+        bad = [f"this host (node 0): {mine}"] if (mine := _missing(found[1], need)) else []
         for k in range(1, nnodes):
             try:
                 kv.wait([f"verdict/{k}"], wait)
@@ -89,8 +106,8 @@ def check_shared(store, *, run_dir: str | Path, node_rank: int, nnodes: int, res
             if verdict["problem"]:
                 bad.append(f"node {k} ({verdict['host']}): {verdict['problem']}")
         if bad:
-            raise DtkError(f"output.dir: got {str(run_dir)!r}; this host resumes from the checkpoint of step "
-                           f"{found[0]}, but {'; '.join(bad)}; {hint}")
+            raise DtkError(f"output.dir: got {str(run_dir)!r}; node 0 resumes from the checkpoint of step {found[0]}, "
+                           f"but {'; '.join(bad)}; {hint}")
         return
     kv.wait(["node0"], wait)
     node0 = json.loads(kv.get("node0"))
@@ -100,13 +117,8 @@ def check_shared(store, *, run_dir: str | Path, node_rank: int, nnodes: int, res
     if step is None and mine is not None:
         problem = f"it holds a checkpoint of step {mine[0]} that node 0 does not see"
     elif step is not None:
-        here = _files(checkpoint_dir(run_dir) / f"step_{step}")
-        missing = [name for name, size in node0["files"].items() if here.get(name) != size]
-        if missing:
-            problem = (f"{checkpoint_dir(run_dir) / f'step_{step}'} is missing or incomplete here "
-                       f"({', '.join(missing[:3])}{f' and {len(missing) - 3} more' if len(missing) > 3 else ''} "
-                       f"absent or of another size)")
-        elif mine is not None and mine[0] != step:
+        problem = _missing(checkpoint_dir(run_dir) / f"step_{step}", node0["need"])
+        if not problem and mine is not None and mine[0] != step:
             problem = f"its newest checkpoint is of step {mine[0]}, node 0's of step {step}"
     kv.set(f"verdict/{node_rank}", json.dumps({"host": socket.gethostname(), "problem": problem}))
     if problem:

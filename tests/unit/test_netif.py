@@ -1,0 +1,46 @@
+"""world.interface: the picker routes to the rendezvous endpoint and maps the source address to an interface; a bad
+name is one line naming the field, the value and the interfaces that exist."""
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from dtk import netif
+from dtk.errors import DtkError
+
+
+def test_the_route_to_loopback_leaves_from_lo():
+    assert netif.route_source("127.0.0.1", 29500) == "127.0.0.1"
+    name, why = netif.pick(None, endpoint="127.0.0.1:29500")
+    assert name == "lo" and why == "routes to 127.0.0.1:29500"
+    assert netif.pick(None, endpoint="localhost:29500")[0] == "lo"
+
+
+def test_a_named_interface_that_exists_is_taken_as_is():
+    assert netif.pick("lo", endpoint="10.9.9.9:1") == ("lo", "world.interface")
+    assert netif.backend_env("lo", endpoint="127.0.0.1:29500", multi_node=False) == {
+        "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+
+
+def test_one_node_and_nothing_named_leaves_the_backend_alone():
+    assert netif.backend_env(None, endpoint="127.0.0.1:29500", multi_node=False) == {}
+
+
+def test_a_bad_name_is_one_line_with_the_interfaces_that_exist():
+    names = sorted(n for _, n in socket.if_nameindex())
+    with pytest.raises(DtkError) as e:
+        netif.pick("eth9-fast", endpoint="127.0.0.1:29500")
+    assert e.value.lines == [f"world.interface: got 'eth9-fast'; interfaces on this host: {', '.join(names)}"]
+
+
+def test_a_faster_real_interface_is_named_virtual_ones_are_not():
+    slow = netif.Interface(name="eno1", addresses=("192.168.0.5",), speed_mbps=1000, up=True)
+    found = {i.name: i for i in [
+        slow,
+        netif.Interface(name="ens3f0", addresses=("10.0.0.5",), speed_mbps=100000, up=True),
+        netif.Interface(name="docker0", addresses=("172.17.0.1",), speed_mbps=400000, up=True),
+        netif.Interface(name="ens3f1", addresses=(), speed_mbps=200000, up=True),  # no address: not usable
+    ]}
+    assert netif._faster(slow, found).name == "ens3f0"
+    assert netif._faster(found["ens3f0"], found) is None
