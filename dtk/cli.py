@@ -332,11 +332,20 @@ def probe(
     timeout: Annotated[float, typer.Option(min=1, help="Seconds to wait for every host.")] = 120,
     json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the matrix to this JSON file.")] = None,
 ) -> None:
-    """Bandwidth and latency between every pair of hosts (table + JSON); names the slowest link."""
+    """Bandwidth and latency between every pair of hosts (table + JSON); names the slowest link. Under srun, with
+    neither --testbed nor --hosts: the job step's nodes, as `dtk train` takes them."""
     from dtk import probe as pr
     from dtk.comm.bench import parse_size
 
     nbytes = parse_size(size, "--size")
+    if not testbed and not hosts:  # under srun (one `dtk probe` per node): the hosts as `dtk train` takes them
+        import os
+
+        from dtk.slurm import launch_plan
+
+        plan = launch_plan(dict(os.environ)) or {}
+        hosts, node_rank = plan.get("nnodes", 0), plan.get("node_rank", node_rank)
+        rdzv_endpoint = rdzv_endpoint or plan.get("rdzv_endpoint")
     if bool(testbed) == bool(hosts):
         raise DtkError(f"--testbed/--hosts: got --testbed {testbed} and --hosts {hosts}; accepted: exactly one of "
                        "--testbed N (emulated hosts) or --hosts N --rdzv-endpoint host:port --node-rank I")

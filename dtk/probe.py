@@ -27,14 +27,15 @@ PING_TAG = 3 << 28
 
 # -- on every host ---------------------------------------------------------------------------------------------------
 
-def ping_pong(pg, *, rank: int, size: int, pings: int) -> list[float]:
-    """Median round-trip seconds to every peer: 4-byte ping-pongs, one peer at a time (the monitor's tournament
-    rounds); the lower rank of a pair pings, the higher answers."""
+def ping_pong(pg, *, rank: int, size: int, pings: int) -> tuple[list[float], list[float]]:
+    """Median and least round-trip seconds to every peer: 4-byte ping-pongs, one peer at a time (the monitor's
+    tournament rounds); the lower rank of a pair pings, the higher answers. On a loaded machine a round trip waits
+    for a CPU now and then (one 4 ms scheduler tick here): the least is the path, the median what a step sees."""
     import torch
 
     from dtk.comm.monitor import tournament
 
-    rtt = [math.nan] * size
+    rtt, least = [math.nan] * size, [math.nan] * size
     out, back = torch.zeros(1), torch.empty(1)
     for r, pairs in enumerate(tournament(size)):
         peer = next((b if a == rank else a for a, b in pairs if rank in (a, b)), None)
@@ -53,8 +54,8 @@ def ping_pong(pg, *, rank: int, size: int, pings: int) -> list[float]:
             if k >= 2 and rank < peer:
                 times.append(time.perf_counter() - t0)
         if rank < peer:
-            rtt[peer] = statistics.median(times)
-    return rtt
+            rtt[peer], least[peer] = statistics.median(times), min(times)
+    return rtt, least
 
 
 def measure(pg, *, rank: int, size: int, nbytes: int, passes: int, pings: int, me: dict) -> dict | None:
@@ -66,8 +67,8 @@ def measure(pg, *, rank: int, size: int, nbytes: int, passes: int, pings: int, m
 
     t0 = time.perf_counter()
     bw = LinkMonitor(rank=rank, size=size).probe(pg, nbytes=nbytes, passes=passes, tag_base=1 << 30)
-    rtt = ping_pong(pg, rank=rank, size=size, pings=pings)
-    row = torch.tensor(bw + rtt, dtype=torch.float64)
+    rtt, least = ping_pong(pg, rank=rank, size=size, pings=pings)
+    row = torch.tensor(bw + rtt + least, dtype=torch.float64)
     rows = [torch.empty_like(row) for _ in range(size)]
     pg.allgather([rows], [row]).wait()
     hosts = [None] * size
@@ -82,12 +83,12 @@ def measure(pg, *, rank: int, size: int, nbytes: int, passes: int, pings: int, m
         return None
     matrix = [r.tolist() for r in rows]
     bandwidth = [m[:size] for m in matrix]
-    rtts = [m[size:] for m in matrix]
-    return summarize(bandwidth, rtts, hosts=hosts, nbytes=nbytes, passes=passes, pings=pings,
+    rtts, least = [m[size:2 * size] for m in matrix], [m[2 * size:] for m in matrix]
+    return summarize(bandwidth, rtts, least, hosts=hosts, nbytes=nbytes, passes=passes, pings=pings,
                      seconds=time.perf_counter() - t0)
 
 
-def summarize(bandwidth: list[list[float]], rtts: list[list[float]], *, hosts: list[dict], nbytes: int, passes: int,
+def summarize(bandwidth: list[list[float]], rtts: list[list[float]], least: list[list[float]], *, hosts: list[dict], nbytes: int, passes: int,
               pings: int, seconds: float) -> dict:
     """The matrices (row i: what host i measured, from column j), one record per link (the slower direction, the
     pinging side's round trip), and the slowest link against the median link."""
@@ -97,7 +98,7 @@ def summarize(bandwidth: list[list[float]], rtts: list[list[float]], *, hosts: l
         for j in range(i + 1, n):
             rate = min(_v(bandwidth[i][j]), _v(bandwidth[j][i]))
             links.append({"link": f"{i}-{j}", "bytes_per_s": rate if math.isfinite(rate) else None,
-                          "rtt_us": _us(rtts[i][j])})
+                          "rtt_us": _us(rtts[i][j]), "rtt_min_us": _us(least[i][j])})
     measured = [x["bytes_per_s"] for x in links if x["bytes_per_s"]]
     median = statistics.median(measured) if measured else None
     slowest = min((x for x in links if x["bytes_per_s"]), key=lambda x: x["bytes_per_s"], default=None)
@@ -105,10 +106,12 @@ def summarize(bandwidth: list[list[float]], rtts: list[list[float]], *, hosts: l
         "hosts": hosts, "bytes": nbytes, "passes": passes, "pings": pings, "probe_seconds": round(seconds, 3),
         "bandwidth_bytes_per_s": [[_clean(x) if i != j else None for j, x in enumerate(r)] for i, r in enumerate(bandwidth)],
         "rtt_us": [[_us(rtts[min(i, j)][max(i, j)]) if i != j else None for j in range(n)] for i in range(n)],
+        "rtt_min_us": [[_us(least[min(i, j)][max(i, j)]) if i != j else None for j in range(n)] for i in range(n)],
         "links": links, "median_bytes_per_s": median,
         "slowest": None if slowest is None else {**slowest, "below_median": median / slowest["bytes_per_s"]},
         "units": {"bytes_per_s": "bytes received per second while both ends send (best of passes)",
-                  "rtt_us": "median round trip of a 4-byte message, microseconds"},
+                  "rtt_us": "median round trip of a 4-byte message, microseconds",
+                  "rtt_min_us": "least round trip of a 4-byte message, microseconds"},
     }
 
 
@@ -140,19 +143,19 @@ def print_table(result: dict, *, title: str) -> None:
 
     n = len(result["hosts"])
     slow = result["slowest"]["link"] if result["slowest"] and len(result["links"]) > 1 else None
-    table = Table(title=title, caption="cell: MB/s received by the row's host from the column's (both sending), "
-                                       "round trip in µs")
+    table = Table(title=title, caption="cell: MB/s received by the row's host from the column's (both sending); "
+                                       "round trip in µs, median (least)")
     table.add_column("host", justify="left")
     for j in range(n):
         table.add_column(str(j), justify="right")
     for i, h in enumerate(result["hosts"]):
         cells = []
         for j in range(n):
-            bw, rtt = result["bandwidth_bytes_per_s"][i][j], result["rtt_us"][i][j]
+            bw, rtt, least = (result[k][i][j] for k in ("bandwidth_bytes_per_s", "rtt_us", "rtt_min_us"))
             if i == j:
                 cells.append("-")
                 continue
-            text = f"{bw / 1e6:,.1f} MB/s, {rtt:,.0f} µs" if bw and rtt is not None else "?"
+            text = f"{bw / 1e6:,.1f} MB/s, {rtt:,.0f} µs ({least:,.0f})" if bw and rtt is not None else "?"
             cells.append(f"[red]{text}[/]" if slow == f"{min(i, j)}-{max(i, j)}" else text)
         table.add_row(f"{i} {h.get('name', '')} {h.get('address', '')}".strip(), *cells)
     Console(width=None if sys.stdout.isatty() else 160).print(table)

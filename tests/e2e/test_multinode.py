@@ -66,3 +66,15 @@ def test_a_bad_interface_name_is_one_line_naming_what_exists():
     names = ", ".join(sorted(n for _, n in socket.if_nameindex()))
     assert p.returncode == 2
     assert p.stderr.strip() == f"error: world.interface: got 'fast9'; interfaces on this host: {names}"
+
+
+@pytest.mark.timeout(60)
+def test_dtk_train_under_srun_reads_the_slurm_variables():
+    # srun --ntasks-per-node=2 would start two launchers on one node: refused before anything starts
+    env = {**dtk_env(), "SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_NODEID": "0", "SLURM_STEP_NUM_NODES": "1",
+           "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NODELIST": "node[01]"}
+    p = subprocess.run([sys.executable, "-m", "dtk.cli", "train", str(RECIPES / "quickstart.yaml"), "--no-progress"],
+                       env=env, cwd=ROOT, text=True, capture_output=True, timeout=50)
+    assert p.returncode == 2
+    assert p.stderr.strip() == ("error: SLURM_STEP_NUM_TASKS: got 2 tasks on 1 nodes; accepted: one `dtk train` per "
+                                "node (srun --ntasks-per-node=1); dtk starts world.nproc ranks on each node itself")
