@@ -126,13 +126,37 @@ def pick(name: str | None, *, endpoint: str) -> tuple[str, str]:
     if name is not None:
         return name, "world.interface"
     host, _, port = endpoint.rpartition(":")
-    source = route_source(host.strip("[]"), int(port))
+    host = host.strip("[]")
+    source = route_source(host, int(port))
+    why = f"routes to {endpoint}"
+    if _loopback(source) and not _loopback(host) and host != "localhost":
+        # The endpoint names this very host and resolves to loopback here (Debian's 127.0.1.1 line in /etc/hosts),
+        # but the other hosts reach it over the network: bind where the default route leaves, never lo.
+        try:
+            source = route_source(DEFAULT_ROUTE_PROBE, 9)
+        except DtkError:
+            raise DtkError(f"world.interface: not set; {host} resolves to {source} (loopback) on this host and there "
+                           f"is no default route; accepted: the name of the interface the other hosts reach") from None
+        why = f"{host} is this host (it resolves to loopback here); the interface of the default route"
     found = interfaces()
     chosen = _owner(source, found)
     if chosen is None:
         raise DtkError(f"world.interface: not set, and the route to {endpoint} leaves from {source}, which no "
                        f"interface here holds; accepted: one of {', '.join(sorted(found))}")
-    return chosen, f"routes to {endpoint}"
+    return chosen, why
+
+
+DEFAULT_ROUTE_PROBE = "192.0.2.1"
+"""An address of TEST-NET-1 (RFC 5737), reached only through the default route; a UDP connect sends nothing."""
+
+
+def _loopback(address: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return False
 
 
 def _speed_text(iface: Interface) -> str:

@@ -44,3 +44,17 @@ def test_a_faster_real_interface_is_named_virtual_ones_are_not():
     ]}
     assert netif._faster(slow, found).name == "ens3f0"
     assert netif._faster(found["ens3f0"], found) is None
+
+
+def test_an_endpoint_naming_this_host_never_binds_loopback():
+    # Node 0 of a Slurm job gets its own name as the endpoint; many hosts resolve their own name to 127.0.x.1, but
+    # the other nodes reach it over the network: binding lo there would leave node 0 unreachable.
+    host = socket.gethostname()
+    try:
+        name, why = netif.pick(None, endpoint=f"{host}:29500")
+    except DtkError as e:  # a host without a default route (a bare namespace) must say so, not bind lo
+        assert "no default route" in e.lines[0]
+        return
+    assert name != "lo"
+    if netif._loopback(socket.gethostbyname(host)):
+        assert why == f"{host} is this host (it resolves to loopback here); the interface of the default route"
