@@ -124,7 +124,7 @@ def pick(name: str | None, *, endpoint: str) -> tuple[str, str]:
     """(interface, why): `name` if given (it must exist), else the interface that routes to `endpoint`."""
     check_name(name)
     if name is not None:
-        return name, "world.interface"
+        return name, "set by world.interface"
     host, _, port = endpoint.rpartition(":")
     host = host.strip("[]")
     source = route_source(host, int(port))

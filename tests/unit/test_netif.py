@@ -18,7 +18,7 @@ def test_the_route_to_loopback_leaves_from_lo():
 
 
 def test_a_named_interface_that_exists_is_taken_as_is():
-    assert netif.pick("lo", endpoint="10.9.9.9:1") == ("lo", "world.interface")
+    assert netif.pick("lo", endpoint="10.9.9.9:1") == ("lo", "set by world.interface")
     assert netif.backend_env("lo", endpoint="127.0.0.1:29500", multi_node=False) == {
         "GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
 
