@@ -58,3 +58,21 @@ def test_an_endpoint_naming_this_host_never_binds_loopback():
     assert name != "lo"
     if netif._loopback(socket.gethostbyname(host)):
         assert why == f"{host} is this host (it resolves to loopback here); the interface of the default route"
+
+
+def test_the_choice_is_printed_once_and_a_faster_unused_interface_is_warned_about(monkeypatch, capsys, caplog):
+    # this host's own interfaces cannot be chosen: the picker reads a described machine (loopback held by "eno1")
+    found = {"eno1": netif.Interface(name="eno1", addresses=("127.0.0.1",), speed_mbps=1000, up=True),
+             "ens3f0": netif.Interface(name="ens3f0", addresses=("10.0.0.5",), speed_mbps=100000, up=True)}
+    monkeypatch.setattr(netif, "interfaces", lambda: found)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    netif._announced.cache_clear()
+    for _ in range(3):  # the launcher asks once per rank
+        env = netif.backend_env(None, endpoint="127.0.0.1:29500", multi_node=True)
+    netif._announced.cache_clear()
+    assert env == {"GLOO_SOCKET_IFNAME": "eno1", "NCCL_SOCKET_IFNAME": "eno1"}
+    assert capsys.readouterr().out == ("network: ranks bind to eno1 (127.0.0.1, 1,000 Mb/s); routes to "
+                                       "127.0.0.1:29500\n")
+    assert [r.getMessage() for r in caplog.records] == [
+        "network: ens3f0 (100,000 Mb/s) looks faster than eno1 (1,000 Mb/s) and is not used; if the other hosts are "
+        "reachable through it, set world.interface=ens3f0"]
