@@ -55,7 +55,8 @@ def train(
 
     from dtk import netif, slurm
 
-    plan = slurm.launch_plan(dict(os.environ)) or {}  # explicit flags win over Slurm's variables
+    given = (nnodes, node_rank, rdzv_endpoint)  # explicit flags win over Slurm's variables
+    plan = (slurm.launch_plan(dict(os.environ)) or {}) if None in given else {}
     nnodes = nnodes if nnodes is not None else plan.get("nnodes", 1)
     node_rank = node_rank if node_rank is not None else plan.get("node_rank", 0)
     rdzv_endpoint = rdzv_endpoint if rdzv_endpoint is not None else plan.get("rdzv_endpoint")
