@@ -72,8 +72,9 @@ def measure(pg, *, rank: int, size: int, nbytes: int, passes: int, pings: int, m
     rows = [torch.empty_like(row) for _ in range(size)]
     pg.allgather([rows], [row]).wait()
     hosts = [None] * size
-    names = torch.zeros(256, dtype=torch.uint8)
-    raw = json.dumps(me).encode()[:256]
+    names = torch.zeros(1024, dtype=torch.uint8)  # who each host is: a host name, an address, an interface name
+    raw = json.dumps(me).encode()
+    assert len(raw) <= 1024, me
     names[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
     gathered = [torch.empty_like(names) for _ in range(size)]
     pg.allgather([gathered], [names]).wait()
@@ -88,11 +89,16 @@ def measure(pg, *, rank: int, size: int, nbytes: int, passes: int, pings: int, m
                      seconds=time.perf_counter() - t0)
 
 
-def summarize(bandwidth: list[list[float]], rtts: list[list[float]], least: list[list[float]], *, hosts: list[dict], nbytes: int, passes: int,
-              pings: int, seconds: float) -> dict:
+def summarize(bandwidth: list[list[float]], rtts: list[list[float]], least: list[list[float]], *, hosts: list[dict],
+              nbytes: int, passes: int, pings: int, seconds: float) -> dict:
     """The matrices (row i: what host i measured, from column j), one record per link (the slower direction, the
-    pinging side's round trip), and the slowest link against the median link."""
+    pinging side's round trip), the slowest link against the median link, and what the comm planner would call
+    congested (its own classification, dtk.comm.planner.Links): links, and hosts whose every link is slow."""
+    from dtk.comm.planner import CONGESTED, Links
+
     n = len(bandwidth)
+    view = Links([[x if i != j else math.nan for j, x in enumerate(r)] for i, r in enumerate(bandwidth)])
+    slow_hosts = [h for h in range(n) if n > 2 and view.cap[h] < CONGESTED * max(view.cap)]
     links = []
     for i in range(n):
         for j in range(i + 1, n):
@@ -108,6 +114,7 @@ def summarize(bandwidth: list[list[float]], rtts: list[list[float]], least: list
         "rtt_us": [[_us(rtts[min(i, j)][max(i, j)]) if i != j else None for j in range(n)] for i in range(n)],
         "rtt_min_us": [[_us(least[min(i, j)][max(i, j)]) if i != j else None for j in range(n)] for i in range(n)],
         "links": links, "median_bytes_per_s": median,
+        "congested_links": [f"{i}-{j}" for i, j, _ in view.congested], "slow_hosts": slow_hosts,
         "slowest": None if slowest is None else {**slowest, "below_median": median / slowest["bytes_per_s"]},
         "units": {"bytes_per_s": "bytes received per second while both ends send (best of passes)",
                   "rtt_us": "median round trip of a 4-byte message, microseconds",
@@ -133,8 +140,11 @@ def slowest_line(result: dict) -> str:
         return "slowest link: none measured"
     if len(result["links"]) == 1:
         return f"slowest link: {s['link']} at {s['bytes_per_s'] / 1e6:,.1f} MB/s (the only link)"
-    return (f"slowest link: {s['link']} at {s['bytes_per_s'] / 1e6:,.1f} MB/s, {s['below_median']:.1f}x below the "
+    line = (f"slowest link: {s['link']} at {s['bytes_per_s'] / 1e6:,.1f} MB/s, {s['below_median']:.1f}x below the "
             f"median ({result['median_bytes_per_s'] / 1e6:,.1f} MB/s)")
+    if result.get("slow_hosts"):  # every link of a host is slow: its own link, not one path
+        line += f"; slow host: {', '.join(map(str, result['slow_hosts']))} (all of its links)"
+    return line
 
 
 def print_table(result: dict, *, title: str) -> None:

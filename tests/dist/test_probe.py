@@ -68,5 +68,6 @@ def test_a_pair_shaped_to_200mbit_is_the_slowest_link_and_the_bed_is_gone(tmp_pa
     r = json.loads(out.read_text())
     assert r["mode"] == "testbed" and r["congest"] == ["pair=0-1,rate=200mbit"]
     assert r["slowest"]["link"] == "0-1"
+    assert "0-1" in r["congested_links"]  # as the comm planner would classify it
     assert f"slowest link: 0-1 at {r['slowest']['bytes_per_s'] / 1e6:,.1f} MB/s" in stdout
     assert r["slowest"]["bytes_per_s"] < 200e6 / 8 * 1.2  # the shaped rate (+ its 256 KB burst), not more
