@@ -71,3 +71,21 @@ def test_a_pair_shaped_to_200mbit_is_the_slowest_link_and_the_bed_is_gone(tmp_pa
     assert "0-1" in r["congested_links"]  # as the comm planner would classify it
     assert f"slowest link: 0-1 at {r['slowest']['bytes_per_s'] / 1e6:,.1f} MB/s" in stdout
     assert r["slowest"]["bytes_per_s"] < 200e6 / 8 * 1.2  # the shaped rate (+ its 256 KB burst), not more
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(unavailable_reason() is not None, reason=f"test bed: {unavailable_reason()}")
+def test_on_a_test_bed_host_the_picker_binds_the_interface_that_reaches_the_endpoint():
+    import os
+
+    from dtk.testbed.net import Testbed
+
+    with Testbed(n=2, tag=f"i{os.getpid() % 100000}") as bed:
+        prefix, _ = bed.spawn_prefix(0)
+        code = ("from dtk import netif; import sys; "
+                "print(netif.pick(None, endpoint=sys.argv[1])[0], netif.pick(None, endpoint='127.0.0.1:1')[0])")
+        env = {k: v for k, v in dtk_env().items() if k != "GLOO_SOCKET_IFNAME"}
+        p = subprocess.run([*prefix, sys.executable, "-c", code, f"{bed.ip(1)}:29500"], env=env, cwd=ROOT,
+                           text=True, capture_output=True, timeout=50)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.split() == ["eth0", "lo"]  # host 1 through the host's link; loopback stays loopback
