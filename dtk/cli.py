@@ -40,13 +40,27 @@ def _parse_endpoint(value: str | None) -> str | None:
 def train(
     recipe: RecipeArg,
     overrides: OverridesArg = None,
-    nnodes: Annotated[int, typer.Option(min=1, help="Number of nodes (torchrun spelling).")] = 1,
-    node_rank: Annotated[int, typer.Option(min=0, help="This node's index, 0..nnodes-1.")] = 0,
-    rdzv_endpoint: Annotated[Optional[str], typer.Option(help="host:port of node 0's store; default loopback.")] = None,
+    nnodes: Annotated[Optional[int], typer.Option(min=1, help="Number of nodes (torchrun spelling); under srun: "
+                                                              "SLURM_STEP_NUM_NODES.")] = None,
+    node_rank: Annotated[Optional[int], typer.Option(min=0, help="This node's index, 0..nnodes-1; under srun: "
+                                                                 "SLURM_NODEID.")] = None,
+    rdzv_endpoint: Annotated[Optional[str], typer.Option(help="host:port of node 0's store; default loopback; under "
+                                                              "srun: the first node, port DTK_RDZV_PORT, MASTER_PORT "
+                                                              "or 29500.")] = None,
     progress: Annotated[bool, typer.Option(help="Show the live progress line.")] = True,
 ) -> None:
     """Train a recipe: start the ranks, show progress, leave a run folder."""
     r = recipes.load(recipe, overrides or [])
+    import os
+
+    from dtk import netif, slurm
+
+    given = (nnodes, node_rank, rdzv_endpoint)  # explicit flags win over Slurm's variables
+    plan = (slurm.launch_plan(dict(os.environ)) or {}) if None in given else {}
+    nnodes = nnodes if nnodes is not None else plan.get("nnodes", 1)
+    node_rank = node_rank if node_rank is not None else plan.get("node_rank", 0)
+    rdzv_endpoint = rdzv_endpoint if rdzv_endpoint is not None else plan.get("rdzv_endpoint")
+    netif.check_name(r.world.interface)
     if node_rank >= nnodes:
         raise DtkError(f"--node-rank: got {node_rank}; accepted: 0..{nnodes - 1} (--nnodes is {nnodes})")
     endpoint = _parse_endpoint(rdzv_endpoint)
@@ -299,6 +313,56 @@ def bench_comm(
         raise DtkError(f"--ops: got {bad[0]!r}; accepted: all_reduce, all_gather, reduce_scatter")
     run_sweep(nproc=nproc, kinds=kinds, min_bytes=parse_size(min_bytes, "--min-bytes"),
               max_bytes=parse_size(max_bytes, "--max-bytes"), iters=iters, warmup=warmup, json_out=json_out)
+
+
+@app.command()
+def probe(
+    testbed: Annotated[int, typer.Option(min=0, max=64, help="Probe an emulated network of N hosts (root; brought "
+                                                            "up and torn down by this command).")] = 0,
+    congest: Annotated[Optional[list[str]], typer.Option(help="Congestion on the test bed, repeatable: "
+                                                              "pair=I-J,rate=R or host=I,rate=R.")] = None,
+    hosts: Annotated[int, typer.Option(min=0, help="Real hosts: run one `dtk probe` per host with the same "
+                                                   "--hosts and --rdzv-endpoint, each with its --node-rank.")] = 0,
+    rdzv_endpoint: Annotated[Optional[str], typer.Option(help="host:port where node 0 listens (--hosts).")] = None,
+    node_rank: Annotated[int, typer.Option(min=0, help="This host's index, 0..hosts-1 (--hosts).")] = 0,
+    interface: Annotated[Optional[str], typer.Option(help="Network interface to probe through (as world.interface); "
+                                                          "default: the one that routes to the endpoint.")] = None,
+    size: Annotated[str, typer.Option(help="Bytes each side sends per transfer, e.g. 4M.")] = "4M",
+    passes: Annotated[int, typer.Option(min=1, help="Transfers per link; the best counts.")] = 3,
+    pings: Annotated[int, typer.Option(min=1, help="Round trips per link for the latency.")] = 20,
+    timeout: Annotated[float, typer.Option(min=1, help="Seconds to wait for every host.")] = 120,
+    json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the matrix to this JSON file.")] = None,
+) -> None:
+    """Bandwidth and latency between every pair of hosts (table + JSON); names the slowest link. Under srun, with
+    neither --testbed nor --hosts: the job step's nodes, as `dtk train` takes them."""
+    from dtk import probe as pr
+    from dtk.comm.bench import parse_size
+
+    nbytes = parse_size(size, "--size")
+    if not testbed and not hosts:  # under srun (one `dtk probe` per node): the hosts as `dtk train` takes them
+        import os
+
+        from dtk.slurm import launch_plan
+
+        plan = launch_plan(dict(os.environ)) or {}
+        hosts, node_rank = plan.get("nnodes", 0), plan.get("node_rank", node_rank)
+        rdzv_endpoint = rdzv_endpoint or plan.get("rdzv_endpoint")
+    if bool(testbed) == bool(hosts):
+        raise DtkError(f"--testbed/--hosts: got --testbed {testbed} and --hosts {hosts}; accepted: exactly one of "
+                       "--testbed N (emulated hosts) or --hosts N --rdzv-endpoint host:port --node-rank I")
+    if testbed:
+        if interface is not None:
+            raise DtkError(f"--interface: got {interface!r} with --testbed; accepted: only with --hosts (the test "
+                           "bed's hosts use eth0)")
+        pr.run_testbed(hosts=testbed, congest=congest or [], nbytes=nbytes, passes=passes, pings=pings,
+                       json_out=json_out, timeout_s=timeout)
+        return
+    if congest:
+        raise DtkError(f"--congest: got {congest[0]!r} with --hosts; congestion needs the test bed (--testbed N)")
+    if rdzv_endpoint is None:
+        raise DtkError("--rdzv-endpoint: missing; accepted: host:port of node 0 (the same on every host)")
+    pr.run_hosts(hosts=hosts, endpoint=_parse_endpoint(rdzv_endpoint), node_rank=node_rank, interface=interface,
+                 nbytes=nbytes, passes=passes, pings=pings, json_out=json_out, timeout_s=timeout)
 
 
 testbed_app = typer.Typer(no_args_is_help=True, help="An emulated multi-host network on this machine (root).")

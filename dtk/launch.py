@@ -107,6 +107,8 @@ class Launcher:
                    LOCAL_WORLD_SIZE=str(self.recipe.world.nproc), DTK_RUN_DIR=str(self.run_dir),
                    DTK_STORE=self.address, OMP_NUM_THREADS=str(self.recipe.world.threads_per_rank),
                    DTK_ATTEMPT=str(self.attempt), DTK_SPAWNED_AT=repr(time.time()), PYTHONUNBUFFERED="1")
+        from dtk.netif import backend_env  # world.interface: GLOO/NCCL_SOCKET_IFNAME (picked once, printed once)
+        env.update(backend_env(self.recipe.world.interface, endpoint=self.address, multi_node=self.topology.nnodes > 1))
         if self.recipe.world.device == "cpu" or not env.get("DS_ACCELERATOR"):
             env["DS_ACCELERATOR"] = "cpu" if self.recipe.world.device != "cuda" else "cuda"
         env.pop("DTK_JOIN_GENERATION", None)
@@ -255,6 +257,9 @@ class Launcher:
     # -- the run --
     def run(self) -> int:
         self._open_store()
+        from dtk.resilience.checkpoint import check_shared  # multi-node resume: every host reads node 0's checkpoint
+        check_shared(self.store, run_dir=self.run_dir, node_rank=self.topology.node_rank, nnodes=self.topology.nnodes,
+                     resume=self.recipe.checkpoint.resume, timeout_s=self.recipe.world.timeout_s)
         for f in self.faults:
             self.deliver(f)
         live = LiveControl(self.run_dir, self.live_faults)

@@ -117,6 +117,11 @@ class WorldConfig(Section):
     threads_per_rank: int = Field(1, ge=1)
     timeout_s: float = Field(300.0, gt=0)
     """Collective timeout of the inner backend."""
+    interface: str | None = None
+    """The network interface the inner backend binds to (sets GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME for the
+    ranks), e.g. the fast link between hosts rather than the management one. Default: on a multi-node run, the
+    interface that routes to the rendezvous endpoint (printed at start, with a warning when a faster-looking one
+    is unused); on one node, the backend's own choice."""
 
 
 class CheckpointConfig(Section):

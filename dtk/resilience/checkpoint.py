@@ -50,3 +50,78 @@ def load(engine, path: Path) -> int:
     dcp.load(state, checkpoint_id=str(path))
     engine.after_checkpoint_load(state["engine"])
     return int(state["step"])
+
+
+
+def _needed(path: Path) -> dict[str, int]:
+    """The files a checkpoint's .metadata names (each rank's shards), with the bytes each must hold at least."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    need = {".metadata": (path / ".metadata").stat().st_size}
+    for info in (FileSystemReader(str(path)).read_metadata().storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    return need
+
+
+def _missing(path: Path, need: dict[str, int]) -> str:
+    """'' when `path` holds every file of `need` in full, else which ones it lacks (for an error line)."""
+    here = {p.name: p.stat().st_size for p in path.iterdir() if p.is_file()} if path.is_dir() else {}
+    gone = [name for name, size in sorted(need.items()) if here.get(name, -1) < size]
+    if not gone:
+        return ""
+    more = f" and {len(gone) - 3} more" if len(gone) > 3 else ""
+    return f"{path} lacks {', '.join(gone[:3])}{more} (absent or cut short)"
+
+
+def check_shared(store, *, run_dir: str | Path, node_rank: int, nnodes: int, resume: str, timeout_s: float) -> None:
+    """Before a multi-node run resumes, every host must read, in full, the checkpoint node 0 resumes from (every
+    file its .metadata names); otherwise ranks load what their own disk holds (or nothing) and disagree on the step,
+    or fail on a shard another host wrote to its own disk. Node 0 publishes its latest checkpoint on the store, every
+    other node answers; a mismatch is one line on that node and on node 0, naming output.dir. Called by each node's
+    launcher before it starts ranks."""
+    if nnodes < 2 or resume != "auto":
+        return
+    import datetime
+    import json
+    import socket
+
+    from dtk.errors import DtkError
+
+    kv = dist.PrefixStore("checkpoint-shared", store)
+    wait = datetime.timedelta(seconds=timeout_s)
+    hint = "put output.dir on a file system every host can read (NFS, Lustre, ...)"
+    if node_rank == 0:
+        found = latest(run_dir)
+        need = _needed(found[1]) if found else {}
+        kv.set("node0", json.dumps({"step": found[0] if found else None, "host": socket.gethostname(), "need": need}))
+        if found is None:
+            return  # nothing to resume from here: a host holding an older run's checkpoint refuses on its side
+        bad = [f"this host (node 0): {mine}"] if (mine := _missing(found[1], need)) else []
+        for k in range(1, nnodes):
+            try:
+                kv.wait([f"verdict/{k}"], wait)
+            except Exception:  # noqa: BLE001 - a host that never came: the rendezvous names it, not this check
+                continue
+            verdict = json.loads(kv.get(f"verdict/{k}"))
+            if verdict["problem"]:
+                bad.append(f"node {k} ({verdict['host']}): {verdict['problem']}")
+        if bad:
+            raise DtkError(f"output.dir: got {str(run_dir)!r}; node 0 resumes from the checkpoint of step {found[0]}, "
+                           f"but {'; '.join(bad)}; {hint}")
+        return
+    kv.wait(["node0"], wait)
+    node0 = json.loads(kv.get("node0"))
+    mine = latest(run_dir)
+    step = node0["step"]
+    problem = ""
+    if step is None and mine is not None:
+        problem = f"it holds a checkpoint of step {mine[0]} that node 0 does not see"
+    elif step is not None:
+        problem = _missing(checkpoint_dir(run_dir) / f"step_{step}", node0["need"])
+        if not problem and mine is not None and mine[0] != step:
+            problem = f"its newest checkpoint is of step {mine[0]}, node 0's of step {step}"
+    kv.set(f"verdict/{node_rank}", json.dumps({"host": socket.gethostname(), "problem": problem}))
+    if problem:
+        where = f"node 0 ({node0['host']}) resumes from step {step}" if step is not None else "node 0 starts afresh"
+        raise DtkError(f"output.dir: got {str(run_dir)!r}; {where}, but on this host (node {node_rank}, "
+                       f"{socket.gethostname()}) {problem}; {hint}")

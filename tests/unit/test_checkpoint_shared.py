@@ -1,0 +1,85 @@
+"""Multi-node resume: every host must read the checkpoint node 0 resumes from. Two launchers' checks (node 0 and
+node 1, as threads) meet on a real TCPStore; each node's folder holds a real DCP checkpoint or not."""
+from __future__ import annotations
+
+import datetime
+import shutil
+import socket
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from dtk.errors import DtkError
+from dtk.resilience.checkpoint import check_shared, checkpoint_dir, latest
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def save(run_dir, step: int) -> None:
+    dcp.save({"w": torch.arange(1000.0), "step": torch.tensor(step)}, checkpoint_id=str(checkpoint_dir(run_dir) / f"step_{step}"), no_dist=True)
+
+
+def both_nodes(dir0, dir1, *, resume: str = "auto") -> dict[int, str | None]:
+    """Run node 0's and node 1's check at once; returns each node's error line (None: it passed)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    t = datetime.timedelta(seconds=20)
+    master = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, timeout=t)
+    client = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=t)
+    errors: dict[int, str | None] = {}
+
+    def node(k, store, run_dir):
+        try:
+            check_shared(store, run_dir=run_dir, node_rank=k, nnodes=2, resume=resume, timeout_s=20)
+            errors[k] = None
+        except DtkError as e:
+            errors[k] = "\n".join(e.lines)
+
+    threads = [threading.Thread(target=node, args=(0, master, dir0)), threading.Thread(target=node, args=(1, client, dir1))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    return errors
+
+
+@pytest.mark.timeout(60)
+def test_a_host_without_node_0s_checkpoint_stops_both_nodes_in_one_line(tmp_path):
+    save(tmp_path / "node0", 4)
+    (tmp_path / "node1").mkdir()
+    errors = both_nodes(tmp_path / "node0", tmp_path / "node1")
+    host = socket.gethostname()
+    assert errors[1] == (f"output.dir: got '{tmp_path / 'node1'}'; node 0 ({host}) resumes from step 4, but on this "
+                         f"host (node 1, {host}) {tmp_path / 'node1' / 'checkpoints' / 'step_4'} lacks .metadata, "
+                         f"__0_0.distcp (absent or cut short); put output.dir on a file system every host can read "
+                         f"(NFS, Lustre, ...)")
+    assert errors[0].startswith(f"output.dir: got '{tmp_path / 'node0'}'; node 0 resumes from the checkpoint of "
+                                f"step 4, but node 1 ({host}): ")
+    assert len(errors[0].splitlines()) == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_half_copied_checkpoint_is_incomplete(tmp_path):
+    save(tmp_path / "node0", 4)
+    shutil.copytree(tmp_path / "node0", tmp_path / "node1")
+    (checkpoint_dir(tmp_path / "node1") / "step_4" / "__0_0.distcp").write_bytes(b"cut short")
+    assert latest(tmp_path / "node1")[0] == 4  # the newest checkpoint by its .metadata alone: looks fine
+    errors = both_nodes(tmp_path / "node0", tmp_path / "node1")
+    assert "step_4 lacks __0_0.distcp (absent or cut short)" in errors[1] and errors[0] is not None
+
+
+@pytest.mark.timeout(60)
+def test_a_shared_folder_passes_and_a_stale_one_on_another_host_is_caught(tmp_path):
+    save(tmp_path / "shared", 6)
+    assert both_nodes(tmp_path / "shared", tmp_path / "shared") == {0: None, 1: None}
+    (tmp_path / "fresh").mkdir()
+    save(tmp_path / "stale", 2)  # node 1's local disk still holds an older run's checkpoint
+    errors = both_nodes(tmp_path / "fresh", tmp_path / "stale")
+    assert errors[0] is None  # node 0 starts afresh; node 1 refuses for both
+    assert "node 0 starts afresh, but on this host (node 1" in errors[1]
+    assert "it holds a checkpoint of step 2 that node 0 does not see" in errors[1]
+    assert both_nodes(tmp_path / "fresh", tmp_path / "stale", resume="never") == {0: None, 1: None}
