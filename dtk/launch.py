@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dtk import recipe as recipes
@@ -33,6 +33,8 @@ from dtk.resilience.supervisor import (HangWatch, StormWatch, describe_failure, 
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.02
+LEAVE_WAIT_S = 15.0
+"""How long node 0's launcher (it hosts the store) waits at the end for the other nodes' launchers to leave."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -41,6 +43,12 @@ class Topology:
     node_rank: int = 0
     rdzv_endpoint: str | None = None
     """host:port of the store hosted by node 0's launcher; default: loopback and a free port."""
+
+
+def dist_error() -> type:
+    import torch.distributed as dist
+
+    return dist.DistError
 
 
 def free_port() -> int:
@@ -61,7 +69,10 @@ def prepare_run_dir(recipe: recipes.Recipe, recipe_path: str | None) -> Path:
     except OSError as e:
         raise DtkError(f"output.dir: got {str(run_dir)!r}; cannot create it ({e.strerror})") from None
     recipe.output.dir = str(run_dir)
-    (run_dir / "recipe.yaml").write_text(recipes.dump(recipe))
+    # every node's launcher writes it (a run folder need not be shared), while ranks may be reading it: atomically
+    tmp = run_dir / f".recipe.yaml.{os.getpid()}"
+    tmp.write_text(recipes.dump(recipe))
+    os.replace(tmp, run_dir / "recipe.yaml")
     return run_dir
 
 
@@ -84,6 +95,8 @@ class Launcher:
     fault_schedule: list = field(default_factory=list)
     """(seconds after start, rank) of random faults of kind `schedule_kind` (--mtbf)."""
     schedule_kind: str = "kill"
+    live_control: bool = True
+    """Serve `dtk inject-failure --run` (node 0 only; off where a test bed's driver serves it for the run)."""
 
     def __post_init__(self):
         self.world = self.recipe.world.nproc * self.topology.nnodes
@@ -99,6 +112,12 @@ class Launcher:
         self._fault_lock = threading.Lock()
         self._live_count = 0
         self.attributed: set[str] = set()
+        self.remote_failures: list[dict] = []
+        """Failures another node's launcher reported when it stopped the run (multi-node)."""
+        node = self.topology.node_rank
+        # one run folder for every node: node 0 owns summary.json and ranks.json, the others write their own
+        self.summary_name = "summary.json" if node == 0 else f"summary-node{node}.json"
+        self.pids_name = "ranks.json" if node == 0 else f"ranks-node{node}.json"
 
     # -- processes --
     def _env(self, rank: int, join_generation: int | None, shadow_id: int | None = None) -> dict:
@@ -179,7 +198,7 @@ class Launcher:
 
     def _write_pids(self) -> None:
         pids = {str(r): p.pid for r, p in self.procs.items()}
-        (self.run_dir / "ranks.json").write_text(json.dumps({"launcher": os.getpid(), "ranks": pids}))
+        (self.run_dir / self.pids_name).write_text(json.dumps({"launcher": os.getpid(), "ranks": pids}))
 
     def stop_all(self, grace_s: float = 3.0) -> None:
         """SIGTERM every rank, SIGKILL what is left after grace_s (0: SIGKILL at once). Shadows stay (see run)."""
@@ -218,11 +237,7 @@ class Launcher:
 
     def deliver(self, fault) -> None:
         """Announce a fault to its rank (read at start-up and polled while running)."""
-        with self._fault_lock:
-            key = f"faults/{fault.rank}"
-            known = json.loads(self.run_store.get(key)) if self.run_store.check([key]) else []
-            known.append(asdict(fault))
-            self.run_store.set(key, json.dumps(known))
+        faults.announce(self.run_store, fault)
 
     def live_faults(self, specs: list[str]) -> list[str]:
         """From `dtk inject-failure --run`: parse (DtkError on a bad one: nothing is scheduled) and deliver."""
@@ -257,7 +272,7 @@ class Launcher:
         self._open_store()
         for f in self.faults:
             self.deliver(f)
-        live = LiveControl(self.run_dir, self.live_faults)
+        live = LiveControl(self.run_dir, self.live_faults) if self.live_control and not self.topology.node_rank else None
         self.t_start = time.time()
         self.t_train: float | None = None
         self._resumed_at: float | None = None
@@ -271,17 +286,28 @@ class Launcher:
             self.stop_all()
             code = 130
             append_event(self.run_dir, {"event": "interrupted", "by": "the user (Ctrl-C)"})
+        except dist_error() as e:
+            if not self.topology.node_rank:
+                raise  # node 0 hosts the store: losing it is a bug
+            self.stop_all()
+            code = 1
+            self.messages.append(f"error: node {self.topology.node_rank} lost the run's store on node 0 ({e!s:.80}); "
+                                 "its ranks are stopped.")
         finally:
-            live.close()
+            if live is not None:
+                live.close()
             shadows = self.shadows.summary() if self.shadows else {"count": 0, "promotions": 0, "rss_bytes": []}
             if self.shadows:
                 self.shadows.stop()
             for line in self.messages:
                 print(line, file=sys.stderr)
             finalize_failures(self)
-            write_summary(self.run_dir, wall_seconds=time.time() - self.t_start, failures=self.failures,
-                          exit_code=code, shadows=shadows,
+            write_summary(self.run_dir, wall_seconds=time.time() - self.t_start,
+                          failures=self.failures + self.remote_failures,
+                          exit_code=code, shadows=shadows, name=self.summary_name, world_size=self.world,
                           resilience={"mode": self.recipe.resilience.mode, **self.hangs.describe()})
+            if self.topology.nnodes > 1:
+                self._leave(code)
         return code
 
     def _finished(self, rank: int) -> bool:
@@ -293,12 +319,46 @@ class Launcher:
             self._all_started = all(self.control.check([f"started/{q}"]) for q in self.procs)
         return self._all_started
 
+    # -- the other nodes: one launcher per node, all on node 0's store --
+    def _stopped_elsewhere(self) -> dict | None:
+        """Another node's launcher stopped the run (its rank failed, Ctrl-C): what it said, else None."""
+        if self.topology.nnodes == 1 or not self.run_store.check(["stopped"]):
+            return None
+        return json.loads(self.run_store.get("stopped"))
+
+    def _follow_stop(self, stop: dict) -> int:
+        self.stop_all()
+        self.remote_failures = stop["failures"]  # figured by their node already
+        other = stop["node"]
+        self.messages.append(f"error: node {other} stopped the run, so this node's ranks are stopped; node {other} said:")
+        self.messages += [f"  {line}" for line in stop["messages"]]
+        return 1
+
+    def _leave(self, code: int) -> None:
+        """At the end of a multi-node run: a failed node tells the others to stop; every node says it has left, and
+        node 0 waits (a while) for the others, so that none loses the store while it still reports."""
+        node = self.topology.node_rank
+        try:
+            if code != 0 and not self.run_store.check(["stopped"]):
+                self.run_store.set("stopped", json.dumps({"node": node, "code": code, "messages": self.messages,
+                                                          "failures": self.failures}))
+            self.run_store.set(f"left/{node}", str(code))
+            deadline = time.monotonic() + LEAVE_WAIT_S
+            while node == 0 and time.monotonic() < deadline:
+                if all(self.run_store.check([f"left/{k}"]) for k in range(1, self.topology.nnodes)):
+                    break
+                time.sleep(0.05)
+        except dist_error():
+            pass  # node 0 has gone already: nobody is left to tell
+
     def _supervise(self, progress) -> int:
         next_random, next_progress = 0, 0.0
         while True:
             if time.monotonic() >= next_progress:  # the ranks need the CPU more than the progress line does
                 progress.update()
                 next_progress = time.monotonic() + 0.2
+                if stop := self._stopped_elsewhere():
+                    return self._follow_stop(stop)
             if self._started() and self._resumed_at is None:
                 self._resumed_at = time.time()  # training (re)started: random faults may land again
             if self.t_train is None and self._started():
@@ -420,8 +480,9 @@ def _rank_preexec() -> None:
 
 def launch(recipe: recipes.Recipe, *, recipe_path: str | None, topology: Topology | None = None,
            show_progress: bool = True, inject: list | None = None, fault_schedule: list | None = None,
-           schedule_kind: str = "kill") -> tuple[int, Path]:
+           schedule_kind: str = "kill", live_control: bool = True) -> tuple[int, Path]:
     run_dir = prepare_run_dir(recipe, recipe_path)
     launcher = Launcher(recipe=recipe, run_dir=run_dir, topology=topology or Topology(), show_progress=show_progress,
-                        faults=list(inject or []), fault_schedule=list(fault_schedule or []), schedule_kind=schedule_kind)
+                        faults=list(inject or []), fault_schedule=list(fault_schedule or []), schedule_kind=schedule_kind,
+                        live_control=live_control)
     return launcher.run(), run_dir
