@@ -33,6 +33,7 @@ from dtk.resilience.supervisor import (HangWatch, StormWatch, describe_failure, 
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.02
+SHADOW_IDS_PER_NODE = 1000
 LEAVE_WAIT_S = 15.0
 """How long node 0's launcher (it hosts the store) waits at the end for the other nodes' launchers to leave."""
 
@@ -171,7 +172,9 @@ class Launcher:
             self.shadows.stop()
         count = self.recipe.resilience.shadows
         if self.recipe.resilience.mode == "inplace" and count:
-            self.shadows = ShadowPool(count=count, spawn=self.spawn_shadow, control=self.control)
+            # shadow ids are keys in the run's one store: each node numbers its own from node_rank * 1000
+            self.shadows = ShadowPool(count=count, spawn=self.spawn_shadow, control=self.control,
+                                      started=SHADOW_IDS_PER_NODE * self.topology.node_rank)
             self.shadows.start()
 
     # -- what recovery may do (dtk.resilience.recovery.RunView) --
@@ -268,8 +271,36 @@ class Launcher:
         return out
 
     # -- the run --
+    def _join_nodes(self) -> None:
+        """Multi-node in-place recovery: node 0 coordinates it for every node's ranks (dtk.resilience.nodes)."""
+        self.view = self  # what the recovery sequence acts on (dtk.resilience.recovery.RunView)
+        self.reporter = None
+        self.reported_dead: dict[int, dict] = {}
+        if self.topology.nnodes == 1 or self.recipe.resilience.mode != "inplace":
+            return
+        from dtk.resilience.nodes import Coordinator, NodeReporter
+
+        if self.topology.node_rank == 0:
+            self.view = Coordinator(launcher=self, run_store=self.run_store, nnodes=self.topology.nnodes,
+                                    nproc=self.recipe.world.nproc)
+        else:
+            self.reporter = NodeReporter(run_store=self.run_store, node=self.topology.node_rank)
+
+    def _replace_for_node0(self, rank: int, generation: int) -> dict:
+        how = self.replace(rank, generation)
+        self.hangs.reset()  # the replacement's heartbeats start afresh
+        if self.shadows:
+            self.shadows.replenish()
+        return how
+
+    def _exit_code(self, rank: int) -> int:
+        if rank in self.procs:
+            return self.procs[rank].returncode
+        return self.view.remote_dead()[rank]["code"]  # a rank of another node (node 0 coordinates)
+
     def run(self) -> int:
         self._open_store()
+        self._join_nodes()
         for f in self.faults:
             self.deliver(f)
         live = LiveControl(self.run_dir, self.live_faults) if self.live_control and not self.topology.node_rank else None
@@ -352,7 +383,7 @@ class Launcher:
             pass  # node 0 has gone already: nobody is left to tell
 
     def _supervise(self, progress) -> int:
-        next_random, next_progress = 0, 0.0
+        next_random, next_progress, next_remote = 0, 0.0, 0.0
         while True:
             if time.monotonic() >= next_progress:  # the ranks need the CPU more than the progress line does
                 progress.update()
@@ -379,13 +410,26 @@ class Launcher:
                 if code is None:
                     running = True
                 elif code != 0 and not self._finished(rank):
-                    if not self._handle_failure(sorted(r for r in self.dead() if not self._finished(r))):
+                    if self.reporter is not None:  # node 0 recovers it: report it (below), keep waiting
+                        self.reported_dead.setdefault(rank, {"code": code, "detected_at": time.time()})
+                        running = True
+                        continue
+                    if not self._handle_failure(sorted(r for r in self.view.dead() if not self._finished(r))):
                         return 1
                     running = True
                     break  # the set of processes may have changed
                 elif code != 0:
                     log.warning("rank %d finished its steps, then exited with %s (teardown); run kept", rank,
                                 signal_name(code))
+            if self.reporter is not None:
+                self.reporter.publish(self.reported_dead)
+                self.reporter.serve(self._replace_for_node0, self.reported_dead)
+            elif self.view is not self and time.monotonic() >= next_remote:
+                next_remote = time.monotonic() + 0.1
+                if remote := [r for r in self.view.remote_dead() if not self._finished(r)]:
+                    if not self._handle_failure(sorted(set(remote) | {r for r in self.dead() if not self._finished(r)})):
+                        return 1
+                    continue
             if not running:
                 progress.update()
                 return 0
@@ -398,7 +442,7 @@ class Launcher:
         """Ranks died (usually one). Returns True when the run goes on (recovered), False when it stops."""
         t_detect = time.time()
         r = self.recipe.resilience
-        records = [describe_failure(self, rank=q, code=self.procs[q].returncode, t_detect=t_detect) for q in ranks]
+        records = [describe_failure(self, rank=q, code=self._exit_code(q), t_detect=t_detect) for q in ranks]
         what = " and ".join(f"rank {f['rank']} failed ({f['fault']})" for f in records)
         started = self._started()
         # progress that a recovery keeps: committed steps in place, the latest checkpoint for a restart
@@ -421,7 +465,7 @@ class Launcher:
         if r.mode == "checkpoint":
             return self._restart(records, t_detect=t_detect, action="restarted from checkpoint")
         try:
-            figures = recover_in_place(self, failed=set(ranks), t_detect=t_detect)
+            figures = recover_in_place(self.view, failed=set(ranks), t_detect=t_detect)
         except RecoveryFailed as e:
             append_event(self.run_dir, {"event": "in-place recovery failed", "ranks": ranks, "why": str(e)})
             if self.recipe.checkpoint.every:

@@ -75,10 +75,9 @@ class TestbedRun:
                 "--rdzv-endpoint", f"{self.bed.ip(0)}:{STORE_PORT}", "--no-live-control"]
         if node or not self.show_progress:
             argv.append("--no-progress")
+        out = None  # the user sees node 0's progress line and result; the others' output goes to the run's logs
         if node == 0:  # node 0 announces the ranks' faults to every rank through the store
             argv += [a for f in self.rank_faults for a in ("--fault", f.spec())]
-        if node == 0:  # the user sees node 0's progress line and result; the others' output goes to the run's logs
-            out = None
         else:
             out = open(self.run_dir / "logs" / f"launcher{node}.log", "ab")
         try:
@@ -151,7 +150,8 @@ class TestbedRun:
                 with self._lock:
                     self.unannounced[f"live{start + i}"] = f
             else:
-                fl.announce(self._run_store(), f)
+                with self._lock:
+                    fl.announce(self._run_store(), f)
         names = [f.as_fault() if isinstance(f, shape.Congestion) else f.spec() for f in parsed]
         append_event(self.run_dir, {"event": "faults scheduled", "faults": names, "by": "test bed driver"})
         return names
