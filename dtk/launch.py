@@ -434,8 +434,10 @@ class Launcher:
                 progress.update()
                 return 0
             if self._started():
-                for rank in self.hangs.check(self.control, sorted(self.procs)):
-                    self.procs[rank].kill()  # a hung rank is removed; its death is then handled as any other
+                # every node reads every rank's beat: ranks waiting on a hung peer of another node are not hung
+                for rank in self.hangs.check(self.control, list(range(self.world))):
+                    if rank in self.procs:
+                        self.procs[rank].kill()  # a hung rank is removed; its death is then handled as any other
             time.sleep(POLL_SECONDS)
 
     def _handle_failure(self, ranks: list[int]) -> bool:
@@ -460,6 +462,9 @@ class Launcher:
             stop = f"error: {what} before every rank started; the run is stopped."
         elif verdict := self.storm.verdict(self.failures):
             stop = f"error: {verdict}."
+        elif r.mode == "checkpoint" and self.topology.nnodes > 1:
+            stop = (f"error: {what}; a checkpoint restart across nodes is not built yet, so the run is stopped; run "
+                    "the same command again to resume from the latest checkpoint.")
         if stop is not None:
             return self._stop(records, stop)
         if r.mode == "checkpoint":
