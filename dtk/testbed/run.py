@@ -168,7 +168,8 @@ class TestbedRun:
                 self._congest(c, how="at once")
             append_event(self.run_dir, {"event": "test bed up", "hosts": self.hosts, "tag": self.bed.tag,
                                         "ips": [self.bed.ip(i) for i in range(self.hosts)],
-                                        "store": f"{self.bed.ip(0)}:{STORE_PORT}", "ranks_per_host": self.recipe.world.nproc})
+                                        "store": f"{self.bed.ip(0)}:{STORE_PORT}",
+                                        "ranks_per_host": self.recipe.world.nproc})
             self.procs = [self._spawn(node) for node in range(self.hosts)]
             live = LiveControl(self.run_dir, self.live_faults)
             return self._watch()
