@@ -48,6 +48,11 @@ def train(
                                                               "srun: the first node, port DTK_RDZV_PORT, MASTER_PORT "
                                                               "or 29500.")] = None,
     progress: Annotated[bool, typer.Option(help="Show the live progress line.")] = True,
+    testbed: Annotated[int, typer.Option(min=0, max=64, help="Run on an emulated network of H hosts (root): "
+                                                            "world.nproc ranks and one launcher on each.")] = 0,
+    fault: Annotated[Optional[list[str]], typer.Option(
+        help="Inject a fault: KIND:rank=R,step=S, or on a test bed congest:pair=I-J,rate=R,step=S; repeatable.")] = None,
+    live_control: Annotated[bool, typer.Option(hidden=True, help="Serve `dtk inject-failure --run` (node 0).")] = True,
 ) -> None:
     """Train a recipe: start the ranks, show progress, leave a run folder."""
     r = recipes.load(recipe, overrides or [])
@@ -64,11 +69,35 @@ def train(
     if node_rank >= nnodes:
         raise DtkError(f"--node-rank: got {node_rank}; accepted: 0..{nnodes - 1} (--nnodes is {nnodes})")
     endpoint = _parse_endpoint(rdzv_endpoint)
+    if testbed == 1 or (testbed and (nnodes != 1 or endpoint)):
+        raise DtkError(f"--testbed: got {testbed}" + (" with --nnodes/--rdzv-endpoint" if testbed > 1 else "") +
+                       "; accepted: 2..64 hosts, alone (the test bed sets nodes, node ranks and the endpoint)")
+    if testbed:
+        from dtk.testbed.net import check_environment
+
+        check_environment()
+    from dtk.resilience import faults as fl
+
+    world = r.world.nproc * (testbed or nnodes)
+    parsed = [fl.parse(spec, world=world, fault_id=f"f{i}", hosts=testbed or None) for i, spec in enumerate(fault or [])]
+    if any(f.kind == "corrupt" for f in parsed) and not r.resilience.checksum_every:
+        r.resilience.checksum_every = 1  # a corruption must be caught, never trained on
+    if testbed:
+        from dtk.testbed.run import train_on_testbed
+
+        code, run_dir = train_on_testbed(r, recipe_path=recipe, hosts=testbed, faults=parsed, show_progress=progress)
+        raise typer.Exit(code)
     from dtk.launch import Topology, launch  # imports torch: only once the input is known to be good
 
     topo = Topology(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=endpoint)
-    code, run_dir = launch(r, recipe_path=recipe, topology=topo, show_progress=progress)
-    _print_run_result(run_dir, code)
+    code, run_dir = launch(r, recipe_path=recipe, topology=topo, show_progress=progress, inject=parsed,
+                           live_control=live_control)
+    if node_rank:  # node 0 prints the run's result; another node says how its own part ended
+        state = {0: "done", 130: "interrupted"}.get(code, "failed")
+        out.print(f"node {node_rank}: {state}; its summary: {run_dir / f'summary-node{node_rank}.json'} "
+                  f"(node 0 writes the run's summary.json)", highlight=False)
+    else:
+        _print_run_result(run_dir, code)
     raise typer.Exit(code)
 
 
@@ -150,6 +179,8 @@ def compare(
     progress: Annotated[bool, typer.Option(help="Show each run's progress line.")] = True,
     fault: Annotated[Optional[list[str]], typer.Option(
         help="Inject this fault into every variant (the same schedule for each): KIND:rank=R,step=S; repeatable.")] = None,
+    testbed: Annotated[int, typer.Option(min=0, max=64, help="Run each variant on an emulated network of H hosts "
+                                                            "(root; world.nproc ranks per host); --fault congest:...")] = 0,
 ) -> None:
     """Run a recipe under several strategies or overrides, one after another; table + compare.json/.md/.png."""
     import shlex
@@ -158,12 +189,22 @@ def compare(
     from dtk.resilience import faults as fl
 
     variants = cmp.resolve(recipe, overrides or [], strategies=strategies, variant_flags=variant or [])
-    injected = [fl.parse(spec, world=min(v.recipe.world.nproc for v in variants), fault_id=f"f{i}")
-                for i, spec in enumerate(fault or [])]
+    if testbed == 1:
+        raise DtkError("--testbed: got 1; accepted: 2..64 hosts (or 0 for local ranks)")
+    if testbed:
+        from dtk.testbed.net import check_environment
+
+        check_environment()
+    injected = [fl.parse(spec, world=min(v.recipe.world.nproc for v in variants) * max(testbed, 1), fault_id=f"f{i}",
+                         hosts=testbed or None) for i, spec in enumerate(fault or [])]
+    if testbed:
+        from dtk.testbed.run import check_steps
+
+        check_steps(injected, steps=variants[0].recipe.training.steps)  # steps are shared by every variant
     folder = cmp.prepare_out_dir(out_dir, recipe)
     command = "dtk " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     result = cmp.run(recipe_path=recipe, variants=variants, out_dir=folder, command=command, console=out,
-                     parity_tolerance=assert_parity, show_progress=progress, inject=injected)
+                     parity_tolerance=assert_parity, show_progress=progress, inject=injected, testbed=testbed)
     cmp.write(result)
     out.print(cmp.table(result))
     out.print(cmp.verdict_line(result), highlight=False)
@@ -198,7 +239,7 @@ def inject_failure(
         if not args + specs:
             raise DtkError("fault: none given; accepted: KIND:rank=R[,step=S] (e.g. kill:rank=1)")
         for spec in args + specs:  # check here first, so a typo is one clear line
-            fl.parse(spec, world=1 << 16, fault_id="check", flag="fault")
+            fl.parse(spec, world=1 << 16, fault_id="check", flag="fault", hosts=1 << 16)  # the run checks hosts
         for line in send_faults(run, args + specs):
             out.print(f"scheduled: {line} on the run in {run}", highlight=False)
         return

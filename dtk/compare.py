@@ -260,12 +260,14 @@ def _record(v: Variant, *, code: int, run_dir: Path, params: int, world: int) ->
 
 
 def run(*, recipe_path: str, variants: list[Variant], out_dir: Path, command: str, console: Console,
-        parity_tolerance: float | None = None, show_progress: bool = True, inject: list | None = None) -> Comparison:
-    """Run the variants one after another (they must not share the CPU), each in its own run folder."""
+        parity_tolerance: float | None = None, show_progress: bool = True, inject: list | None = None,
+        testbed: int = 0) -> Comparison:
+    """Run the variants one after another (they must not share the CPU), each in its own run folder; with `testbed`
+    each on its own emulated network of that many hosts (world.nproc ranks per host)."""
     from dtk.launch import launch
 
     comparison = Comparison(out_dir=out_dir, command=command, parity_tolerance=parity_tolerance,
-                            faults=[f.spec() for f in inject or []])
+                            faults=[f.as_fault() if f.kind == "congest" else f.spec() for f in inject or []])
     counts: dict[str, int] = {}
     for i, v in enumerate(variants, 1):
         key = json.dumps([v.recipe.model.model_dump(mode="json"), v.recipe.data.model_dump(mode="json")])
@@ -276,9 +278,16 @@ def run(*, recipe_path: str, variants: list[Variant], out_dir: Path, command: st
                       highlight=False)
         if inject and any(f.kind == "corrupt" for f in inject) and not v.recipe.resilience.checksum_every:
             v.recipe.resilience.checksum_every = 1  # a corruption must be caught, never trained on
-        code, run_dir = launch(v.recipe, recipe_path=recipe_path, show_progress=show_progress,
-                               inject=list(inject or []))
-        record = _record(v, code=code, run_dir=run_dir, params=counts[key], world=v.recipe.world.nproc)
+        if testbed:
+            from dtk.testbed.run import train_on_testbed
+
+            code, run_dir = train_on_testbed(v.recipe, recipe_path=recipe_path, hosts=testbed,
+                                             faults=list(inject or []), show_progress=show_progress)
+        else:
+            code, run_dir = launch(v.recipe, recipe_path=recipe_path, show_progress=show_progress,
+                                   inject=list(inject or []))
+        record = _record(v, code=code, run_dir=run_dir, params=counts[key],
+                         world=v.recipe.world.nproc * max(testbed, 1))
         if code != 0:
             console.print(f"[red]failed[/]: {v.name} (exit {code}); run folder {run_dir}", highlight=False)
         comparison.variants.append(record)

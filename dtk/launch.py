@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dtk import recipe as recipes
@@ -33,6 +33,9 @@ from dtk.resilience.supervisor import (HangWatch, StormWatch, describe_failure, 
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.02
+SHADOW_IDS_PER_NODE = 1000
+LEAVE_WAIT_S = 15.0
+"""How long node 0's launcher (it hosts the store) waits at the end for the other nodes' launchers to leave."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -41,6 +44,12 @@ class Topology:
     node_rank: int = 0
     rdzv_endpoint: str | None = None
     """host:port of the store hosted by node 0's launcher; default: loopback and a free port."""
+
+
+def dist_error() -> type:
+    import torch.distributed as dist
+
+    return dist.DistError
 
 
 def free_port() -> int:
@@ -61,7 +70,10 @@ def prepare_run_dir(recipe: recipes.Recipe, recipe_path: str | None) -> Path:
     except OSError as e:
         raise DtkError(f"output.dir: got {str(run_dir)!r}; cannot create it ({e.strerror})") from None
     recipe.output.dir = str(run_dir)
-    (run_dir / "recipe.yaml").write_text(recipes.dump(recipe))
+    # every node's launcher writes it (a run folder need not be shared), while ranks may be reading it: atomically
+    tmp = run_dir / f".recipe.yaml.{os.getpid()}"
+    tmp.write_text(recipes.dump(recipe))
+    os.replace(tmp, run_dir / "recipe.yaml")
     return run_dir
 
 
@@ -84,6 +96,8 @@ class Launcher:
     fault_schedule: list = field(default_factory=list)
     """(seconds after start, rank) of random faults of kind `schedule_kind` (--mtbf)."""
     schedule_kind: str = "kill"
+    live_control: bool = True
+    """Serve `dtk inject-failure --run` (node 0 only; off where a test bed's driver serves it for the run)."""
 
     def __post_init__(self):
         self.world = self.recipe.world.nproc * self.topology.nnodes
@@ -99,6 +113,12 @@ class Launcher:
         self._fault_lock = threading.Lock()
         self._live_count = 0
         self.attributed: set[str] = set()
+        self.remote_failures: list[dict] = []
+        """Failures another node's launcher reported when it stopped the run (multi-node)."""
+        node = self.topology.node_rank
+        # one run folder for every node: node 0 owns summary.json and ranks.json, the others write their own
+        self.summary_name = "summary.json" if node == 0 else f"summary-node{node}.json"
+        self.pids_name = "ranks.json" if node == 0 else f"ranks-node{node}.json"
 
     # -- processes --
     def _env(self, rank: int, join_generation: int | None, shadow_id: int | None = None) -> dict:
@@ -154,7 +174,9 @@ class Launcher:
             self.shadows.stop()
         count = self.recipe.resilience.shadows
         if self.recipe.resilience.mode == "inplace" and count:
-            self.shadows = ShadowPool(count=count, spawn=self.spawn_shadow, control=self.control)
+            # shadow ids are keys in the run's one store: each node numbers its own from node_rank * 1000
+            self.shadows = ShadowPool(count=count, spawn=self.spawn_shadow, control=self.control,
+                                      started=SHADOW_IDS_PER_NODE * self.topology.node_rank)
             self.shadows.start()
 
     # -- what recovery may do (dtk.resilience.recovery.RunView) --
@@ -181,7 +203,7 @@ class Launcher:
 
     def _write_pids(self) -> None:
         pids = {str(r): p.pid for r, p in self.procs.items()}
-        (self.run_dir / "ranks.json").write_text(json.dumps({"launcher": os.getpid(), "ranks": pids}))
+        (self.run_dir / self.pids_name).write_text(json.dumps({"launcher": os.getpid(), "ranks": pids}))
 
     def stop_all(self, grace_s: float = 3.0) -> None:
         """SIGTERM every rank, SIGKILL what is left after grace_s (0: SIGKILL at once). Shadows stay (see run)."""
@@ -220,11 +242,7 @@ class Launcher:
 
     def deliver(self, fault) -> None:
         """Announce a fault to its rank (read at start-up and polled while running)."""
-        with self._fault_lock:
-            key = f"faults/{fault.rank}"
-            known = json.loads(self.run_store.get(key)) if self.run_store.check([key]) else []
-            known.append(asdict(fault))
-            self.run_store.set(key, json.dumps(known))
+        faults.announce(self.run_store, fault)
 
     def live_faults(self, specs: list[str]) -> list[str]:
         """From `dtk inject-failure --run`: parse (DtkError on a bad one: nothing is scheduled) and deliver."""
@@ -255,14 +273,42 @@ class Launcher:
         return out
 
     # -- the run --
+    def _join_nodes(self) -> None:
+        """Multi-node in-place recovery: node 0 coordinates it for every node's ranks (dtk.resilience.nodes)."""
+        self.view = self  # what the recovery sequence acts on (dtk.resilience.recovery.RunView)
+        self.reporter = None
+        self.reported_dead: dict[int, dict] = {}
+        if self.topology.nnodes == 1 or self.recipe.resilience.mode != "inplace":
+            return
+        from dtk.resilience.nodes import Coordinator, NodeReporter
+
+        if self.topology.node_rank == 0:
+            self.view = Coordinator(launcher=self, run_store=self.run_store, nnodes=self.topology.nnodes,
+                                    nproc=self.recipe.world.nproc)
+        else:
+            self.reporter = NodeReporter(run_store=self.run_store, node=self.topology.node_rank)
+
+    def _replace_for_node0(self, rank: int, generation: int) -> dict:
+        how = self.replace(rank, generation)
+        self.hangs.reset()  # the replacement's heartbeats start afresh
+        if self.shadows:
+            self.shadows.replenish()
+        return how
+
+    def _exit_code(self, rank: int) -> int:
+        if rank in self.procs:
+            return self.procs[rank].returncode
+        return self.view.remote_dead()[rank]["code"]  # a rank of another node (node 0 coordinates)
+
     def run(self) -> int:
         self._open_store()
         from dtk.resilience.checkpoint import check_shared  # multi-node resume: every host reads node 0's checkpoint
         check_shared(self.store, run_dir=self.run_dir, node_rank=self.topology.node_rank, nnodes=self.topology.nnodes,
                      resume=self.recipe.checkpoint.resume, timeout_s=self.recipe.world.timeout_s)
+        self._join_nodes()
         for f in self.faults:
             self.deliver(f)
-        live = LiveControl(self.run_dir, self.live_faults)
+        live = LiveControl(self.run_dir, self.live_faults) if self.live_control and not self.topology.node_rank else None
         self.t_start = time.time()
         self.t_train: float | None = None
         self._resumed_at: float | None = None
@@ -276,17 +322,28 @@ class Launcher:
             self.stop_all()
             code = 130
             append_event(self.run_dir, {"event": "interrupted", "by": "the user (Ctrl-C)"})
+        except dist_error() as e:
+            if not self.topology.node_rank:
+                raise  # node 0 hosts the store: losing it is a bug
+            self.stop_all()
+            code = 1
+            self.messages.append(f"error: node {self.topology.node_rank} lost the run's store on node 0 ({e!s:.80}); "
+                                 "its ranks are stopped.")
         finally:
-            live.close()
+            if live is not None:
+                live.close()
             shadows = self.shadows.summary() if self.shadows else {"count": 0, "promotions": 0, "rss_bytes": []}
             if self.shadows:
                 self.shadows.stop()
             for line in self.messages:
                 print(line, file=sys.stderr)
             finalize_failures(self)
-            write_summary(self.run_dir, wall_seconds=time.time() - self.t_start, failures=self.failures,
-                          exit_code=code, shadows=shadows,
+            write_summary(self.run_dir, wall_seconds=time.time() - self.t_start,
+                          failures=self.failures + self.remote_failures,
+                          exit_code=code, shadows=shadows, name=self.summary_name, world_size=self.world,
                           resilience={"mode": self.recipe.resilience.mode, **self.hangs.describe()})
+            if self.topology.nnodes > 1:
+                self._leave(code)
         return code
 
     def _finished(self, rank: int) -> bool:
@@ -298,12 +355,46 @@ class Launcher:
             self._all_started = all(self.control.check([f"started/{q}"]) for q in self.procs)
         return self._all_started
 
+    # -- the other nodes: one launcher per node, all on node 0's store --
+    def _stopped_elsewhere(self) -> dict | None:
+        """Another node's launcher stopped the run (its rank failed, Ctrl-C): what it said, else None."""
+        if self.topology.nnodes == 1 or not self.run_store.check(["stopped"]):
+            return None
+        return json.loads(self.run_store.get("stopped"))
+
+    def _follow_stop(self, stop: dict) -> int:
+        self.stop_all()
+        self.remote_failures = stop["failures"]  # figured by their node already
+        other = stop["node"]
+        self.messages.append(f"error: node {other} stopped the run, so this node's ranks are stopped; node {other} said:")
+        self.messages += [f"  {line}" for line in stop["messages"]]
+        return 1
+
+    def _leave(self, code: int) -> None:
+        """At the end of a multi-node run: a failed node tells the others to stop; every node says it has left, and
+        node 0 waits (a while) for the others, so that none loses the store while it still reports."""
+        node = self.topology.node_rank
+        try:
+            if code != 0 and not self.run_store.check(["stopped"]):
+                self.run_store.set("stopped", json.dumps({"node": node, "code": code, "messages": self.messages,
+                                                          "failures": self.failures}))
+            self.run_store.set(f"left/{node}", str(code))
+            deadline = time.monotonic() + LEAVE_WAIT_S
+            while node == 0 and time.monotonic() < deadline:
+                if all(self.run_store.check([f"left/{k}"]) for k in range(1, self.topology.nnodes)):
+                    break
+                time.sleep(0.05)
+        except dist_error():
+            pass  # node 0 has gone already: nobody is left to tell
+
     def _supervise(self, progress) -> int:
-        next_random, next_progress = 0, 0.0
+        next_random, next_progress, next_remote = 0, 0.0, 0.0
         while True:
             if time.monotonic() >= next_progress:  # the ranks need the CPU more than the progress line does
                 progress.update()
                 next_progress = time.monotonic() + 0.2
+                if stop := self._stopped_elsewhere():
+                    return self._follow_stop(stop)
             if self._started() and self._resumed_at is None:
                 self._resumed_at = time.time()  # training (re)started: random faults may land again
             if self.t_train is None and self._started():
@@ -324,26 +415,41 @@ class Launcher:
                 if code is None:
                     running = True
                 elif code != 0 and not self._finished(rank):
-                    if not self._handle_failure(sorted(r for r in self.dead() if not self._finished(r))):
+                    if self.reporter is not None:  # node 0 recovers it: report it (below), keep waiting
+                        self.reported_dead.setdefault(rank, {"code": code, "detected_at": time.time()})
+                        running = True
+                        continue
+                    if not self._handle_failure(sorted(r for r in self.view.dead() if not self._finished(r))):
                         return 1
                     running = True
                     break  # the set of processes may have changed
                 elif code != 0:
                     log.warning("rank %d finished its steps, then exited with %s (teardown); run kept", rank,
                                 signal_name(code))
+            if self.reporter is not None:
+                self.reporter.publish(self.reported_dead)
+                self.reporter.serve(self._replace_for_node0, self.reported_dead)
+            elif self.view is not self and time.monotonic() >= next_remote:
+                next_remote = time.monotonic() + 0.1
+                if remote := [r for r in self.view.remote_dead() if not self._finished(r)]:
+                    if not self._handle_failure(sorted(set(remote) | {r for r in self.dead() if not self._finished(r)})):
+                        return 1
+                    continue
             if not running:
                 progress.update()
                 return 0
             if self._started():
-                for rank in self.hangs.check(self.control, sorted(self.procs)):
-                    self.procs[rank].kill()  # a hung rank is removed; its death is then handled as any other
+                # every node reads every rank's beat: ranks waiting on a hung peer of another node are not hung
+                for rank in self.hangs.check(self.control, list(range(self.world))):
+                    if rank in self.procs:
+                        self.procs[rank].kill()  # a hung rank is removed; its death is then handled as any other
             time.sleep(POLL_SECONDS)
 
     def _handle_failure(self, ranks: list[int]) -> bool:
         """Ranks died (usually one). Returns True when the run goes on (recovered), False when it stops."""
         t_detect = time.time()
         r = self.recipe.resilience
-        records = [describe_failure(self, rank=q, code=self.procs[q].returncode, t_detect=t_detect) for q in ranks]
+        records = [describe_failure(self, rank=q, code=self._exit_code(q), t_detect=t_detect) for q in ranks]
         what = " and ".join(f"rank {f['rank']} failed ({f['fault']})" for f in records)
         started = self._started()
         # progress that a recovery keeps: committed steps in place, the latest checkpoint for a restart
@@ -361,12 +467,15 @@ class Launcher:
             stop = f"error: {what} before every rank started; the run is stopped."
         elif verdict := self.storm.verdict(self.failures):
             stop = f"error: {verdict}."
+        elif r.mode == "checkpoint" and self.topology.nnodes > 1:
+            stop = (f"error: {what}; a checkpoint restart across nodes is not built yet, so the run is stopped; run "
+                    "the same command again to resume from the latest checkpoint.")
         if stop is not None:
             return self._stop(records, stop)
         if r.mode == "checkpoint":
             return self._restart(records, t_detect=t_detect, action="restarted from checkpoint")
         try:
-            figures = recover_in_place(self, failed=set(ranks), t_detect=t_detect)
+            figures = recover_in_place(self.view, failed=set(ranks), t_detect=t_detect)
         except RecoveryFailed as e:
             append_event(self.run_dir, {"event": "in-place recovery failed", "ranks": ranks, "why": str(e)})
             if self.recipe.checkpoint.every:
@@ -425,8 +534,9 @@ def _rank_preexec() -> None:
 
 def launch(recipe: recipes.Recipe, *, recipe_path: str | None, topology: Topology | None = None,
            show_progress: bool = True, inject: list | None = None, fault_schedule: list | None = None,
-           schedule_kind: str = "kill") -> tuple[int, Path]:
+           schedule_kind: str = "kill", live_control: bool = True) -> tuple[int, Path]:
     run_dir = prepare_run_dir(recipe, recipe_path)
     launcher = Launcher(recipe=recipe, run_dir=run_dir, topology=topology or Topology(), show_progress=show_progress,
-                        faults=list(inject or []), fault_schedule=list(fault_schedule or []), schedule_kind=schedule_kind)
+                        faults=list(inject or []), fault_schedule=list(fault_schedule or []), schedule_kind=schedule_kind,
+                        live_control=live_control)
     return launcher.run(), run_dir

@@ -169,7 +169,8 @@ def _last_event(run_dir: Path, name: str, *, since: float) -> dict | None:
 
 
 
-def write_summary(run_dir: Path, *, wall_seconds: float, failures: list[dict], exit_code: int, **extra) -> dict:
+def write_summary(run_dir: Path, *, wall_seconds: float, failures: list[dict], exit_code: int,
+                  name: str = "summary.json", **extra) -> dict:
     summary = summarize(run_dir, wall_seconds=wall_seconds, failures=failures, exit_code=exit_code, **extra)
-    (Path(run_dir) / "summary.json").write_text(json.dumps(summary, indent=2))
+    (Path(run_dir) / name).write_text(json.dumps(summary, indent=2))
     return summary

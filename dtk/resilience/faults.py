@@ -5,6 +5,7 @@ A fault fires once per run, even across restarts: its firing is recorded in the 
 """
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -27,12 +28,15 @@ FAULTS: dict[str, str] = {
     "hang": "the rank stays alive but stops making progress (blocked before its next collective)",
     "slow": "straggler: from that step on the rank's steps take `factor` times longer (default 3)",
     "corrupt": "flip one bit in one tensor of the rank's local state (caught by the state checksum)",
-    "congest": "test bed only: shape a host's link (host=I) or one path (pair=I-J) to rate=R (dtk.testbed.shape)",
+    "congest": "test bed only (--testbed H): from step S shape a host's link (host=I) or one path (pair=I-J) to "
+               "rate=R: congest:pair=0-1,rate=200mbit,step=5",
 }
 PHASES = ("forward", "backward", "optimizer", "recovery")
 """recovery: while the rank takes part in an in-place recovery, after the regroup and before the state is sent."""
 CORRUPT_EXIT = 75
 """Exit code of a rank that found its local state corrupted."""
+CONGEST_WAIT_S = 120.0
+"""How long rank 0 waits at a congestion's step for the test bed's driver to have shaped the link."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -52,17 +56,20 @@ class Fault:
         return f"{self.kind}:{','.join(parts)}"
 
 
-def parse(spec: str, *, world: int, fault_id: str, flag: str = "--fault") -> Fault:
-    """`kill:rank=1,step=20` -> Fault; a bad spec raises DtkError naming the flag, the value and what is accepted."""
+def parse(spec: str, *, world: int, fault_id: str, flag: str = "--fault", hosts: int | None = None):
+    """`kill:rank=1,step=20` -> Fault; `congest:pair=0-1,rate=200mbit,step=5` -> dtk.testbed.shape.Congestion, only
+    on a test bed of `hosts` hosts. A bad spec raises DtkError naming the flag, the value and what is accepted."""
     kind, _, rest = spec.partition(":")
     if kind not in FAULTS:
         raise DtkError(f"{flag}: got {spec!r}; the fault must be one of {', '.join(FAULTS)}")
-    if kind == "congest":  # applied by the launcher on its test bed, never inside a rank
+    if kind == "congest":  # applied on the test bed by its driver (the root namespace), never inside a rank
         from dtk.testbed.shape import parse as parse_congestion
 
-        parse_congestion(spec, hosts=world, flag=flag)
-        raise DtkError(f"{flag}: got {spec!r}; congest needs ranks on the test bed, which `dtk train` does not start "
-                       "yet; `dtk bench comm --testbed N --congest ...` does")
+        congestion = parse_congestion(spec, hosts=hosts, flag=flag)
+        if hosts is None:
+            raise DtkError(f"{flag}: got {spec!r}; congest needs the ranks on the test bed: add --testbed H "
+                           "(dtk train, dtk compare; dtk bench comm --testbed N --congest ...)")
+        return congestion
     fields: dict[str, str] = {}
     for item in filter(None, rest.split(",")):
         key, sep, value = item.partition("=")
@@ -85,6 +92,17 @@ def parse(spec: str, *, world: int, fault_id: str, flag: str = "--fault") -> Fau
     if factor < 1:
         raise DtkError(f"{flag}: got factor={factor:g} in {spec!r}; accepted: factor >= 1")
     return Fault(kind=kind, rank=rank, step=step, phase=phase, factor=factor, id=fault_id)
+
+
+def announce(run_store, fault: Fault) -> None:
+    """Add a fault to its rank's list in the run's store (read at start-up and polled while running); atomic, as the
+    launcher and a test bed's driver may both announce faults to a run."""
+    key = f"faults/{fault.rank}"
+    while True:
+        old = run_store.get(key).decode() if run_store.check([key]) else ""
+        new = json.dumps(json.loads(old or "[]") + [asdict(fault)])
+        if run_store.compare_set(key, old, new).decode() == new:
+            return
 
 
 def parse_duration(text: str, flag: str) -> float:
@@ -172,6 +190,10 @@ class Injector:
         elif f.kind == "corrupt":
             index, bit = flip_bit(self.engine.local_state())
             log.warning("flipped bit %d of tensor %d of the local state", bit, index)
+        elif f.kind == "congest":
+            # The test bed's driver shapes the link when it sees this firing; waiting for it here (the other ranks
+            # wait at their next collective) makes the congestion start at this step exactly.
+            self.store.wait([f"applied/{f.id}"], datetime.timedelta(seconds=CONGEST_WAIT_S))
 
     def straggle(self, compute_seconds: float) -> None:
         if self.slow_factor > 1:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import ClassVar
 
 from dtk.errors import DtkError
 from dtk.testbed.net import IFNAME, Testbed, sh
@@ -20,11 +21,19 @@ class Congestion:
     host: int | None = None
     pair: tuple[int, int] | None = None
     step: int | None = None
-    """As a fault (`congest:...,step=S`): the step after which the launcher applies it; None: at once."""
+    """As a fault (`congest:...,step=S`): in force from step S on (rank 0 waits at step S until the test bed's driver
+    has shaped the link); None: at once."""
+
+    kind: ClassVar[str] = "congest"
+    """As a fault (dtk.resilience.faults), next to kill, hang, ..."""
 
     def spec(self) -> str:
         where = f"host={self.host}" if self.host is not None else f"pair={self.pair[0]}-{self.pair[1]}"
         return f"{where},rate={self.rate}"
+
+    def as_fault(self) -> str:
+        """The `--fault` spelling, step included: congest:pair=0-1,rate=200mbit,step=5."""
+        return f"congest:{self.spec()}" + (f",step={self.step}" if self.step is not None else "")
 
     @property
     def bits_per_second(self) -> float:
@@ -58,6 +67,8 @@ def parse(spec: str, *, hosts: int | None = None, flag: str = "--congest") -> Co
             ids = list(c.pair)
     except ValueError:
         raise DtkError(f"{flag}: got {spec!r}; hosts and step are whole numbers: host=2 or pair=0-1, step=5") from None
+    if step is not None and step < 0:
+        raise DtkError(f"{flag}: got step={step} in {spec!r}; accepted: a step >= 0")
     if any(h < 0 or (hosts is not None and h >= hosts) for h in ids) or (c.pair and c.pair[0] == c.pair[1]):
         raise DtkError(f"{flag}: got {spec!r}; accepted hosts: {limit}, two different ones for a pair")
     return c

@@ -1,0 +1,140 @@
+"""`dtk train --testbed H` and `dtk compare --testbed H` (root only): one launcher per emulated host, the losses of
+the same run on one host, congestion as a fault at a step that the adaptive comm layer routes around, and a test
+bed that is gone afterwards also when the run fails or is interrupted."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dtk.testbed.net import namespaces, unavailable_reason
+from tests.conftest import RECIPES, ROOT, TINY, dtk_env, losses, read_jsonl, train
+
+pytestmark = [pytest.mark.dist,
+              pytest.mark.skipif(unavailable_reason() is not None, reason=f"test bed: {unavailable_reason()}")]
+
+
+def start_dtk(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "dtk.cli", *map(str, args)], env=dtk_env(), cwd=ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def bed_left_behind(driver_pid: int) -> list[str]:
+    """The namespaces of the test bed a `dtk ... --testbed` process made (tagged with its pid) still on the machine."""
+    return [ns for ns in namespaces() if ns.startswith(f"dtkp{driver_pid}")]
+
+
+def run_dtk_on_bed(*args: str, timeout: float) -> tuple[subprocess.CompletedProcess, list[str]]:
+    p = start_dtk(*args)
+    out, err = p.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err), bed_left_behind(p.pid)
+
+
+@pytest.mark.timeout(200)
+def test_two_hosts_of_two_ranks_train_exactly_as_one_host_of_four(tmp_path):
+    run_dir = tmp_path / "bed"
+    p, left = run_dtk_on_bed("train", RECIPES / "quickstart.yaml", *TINY, "training.steps=6", f"output.dir={run_dir}",
+                             "--testbed", "2", "--no-progress", timeout=170)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert left == []
+    assert p.stdout.count("done: 6 steps") == 1, p.stdout  # node 0's result line; node 1's output went to its log
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 4 and summary["status"] == "completed"
+    node1 = json.loads((run_dir / "summary-node1.json").read_text())
+    assert node1["status"] == "completed"
+    assert set(json.loads((run_dir / "ranks.json").read_text())["ranks"]) == {"0", "1"}
+    assert set(json.loads((run_dir / "ranks-node1.json").read_text())["ranks"]) == {"2", "3"}
+    assert "node 1: done" in (run_dir / "logs" / "launcher1.log").read_text()
+    [up] = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "test bed up"]
+    assert up["hosts"] == 2 and up["ranks_per_host"] == 2
+
+    local = train(tmp_path / "local", "world.nproc=4", "training.steps=6")
+    assert summary["losses"] == losses(local)  # same ranks, same data, same sums: bit for bit
+
+
+@pytest.mark.timeout(300)
+def test_compare_on_a_path_congested_at_a_step_adaptive_routes_around_it_with_native_losses(tmp_path):
+    out = tmp_path / "cmp"
+    # the quickstart GPT's 1.7 MB of gradients: one all-reduce that a 100 mbit path slows ~10x
+    p, left = run_dtk_on_bed("compare", RECIPES / "quickstart.yaml", "data.seq_len=16", "training.micro_batch=4",
+                             "world.nproc=1", "training.steps=10", "--testbed", "4",
+                             "--variant", "native:comm.mode=native", "--variant", "adaptive:comm.mode=adaptive",
+                             "--fault", "congest:pair=0-1,rate=100mbit,step=4", "--assert-parity", "1e-6",
+                             "--out", out, "--no-progress", timeout=280)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert left == []
+    result = json.loads((out / "compare.json").read_text())
+    assert result["faults"] == ["congest:pair=0-1,rate=100mbit,step=4"]
+    native, adaptive = (v for v in result["variants"])
+    assert adaptive["losses"] == pytest.approx(native["losses"], rel=1e-6) and len(native["losses"]) == 10
+    for v in (native, adaptive):
+        [c] = [e for e in read_jsonl(Path(v["run_dir"]) / "events.jsonl") if e["event"] == "congestion"]
+        assert c["spec"] == "pair=0-1,rate=100mbit" and c["step"] == 4  # rank 0 waited at step 4 for the shaping
+    events = read_jsonl(out / "adaptive" / "events.jsonl")
+    [congested] = [e for e in events if e["event"] == "congestion"]
+    changes = [e for e in events if e["event"] == "comm_plan" and e["time"] > congested["time"]
+               and "all_reduce" in e["changed"]]
+    assert changes, events
+    first = changes[0]
+    assert 4 < first["step"] <= 4 + 3  # within a few steps of the congestion
+    assert [c["link"] for c in first["congested_links"]] == ["0-1"]
+    order = [int(x) for x in first["after"]["all_reduce"].removeprefix("ring order ").split("-")]
+    assert {frozenset((order[k], order[(k + 1) % 4])) for k in range(4)}.isdisjoint({frozenset((0, 1))})
+
+
+@pytest.mark.timeout(200)
+def test_the_bed_is_torn_down_when_a_rank_on_another_host_fails_and_on_ctrl_c(tmp_path):
+    failed = tmp_path / "failed"
+    p, left = run_dtk_on_bed("train", RECIPES / "quickstart.yaml", *TINY, "training.steps=30", f"output.dir={failed}",
+                             "--testbed", "2", "--fault", "kill:rank=3,step=2", "--no-progress", timeout=170)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert left == []
+    # node 1's launcher saw its rank die and stopped the run everywhere; node 0 says so
+    assert "error: node 1 stopped the run" in p.stderr and "rank 3 failed (kill)" in p.stderr
+    summary = json.loads((failed / "summary.json").read_text())
+    assert summary["status"] == "failed" and [f["rank"] for f in summary["failures"]] == [3]
+
+    interrupted = tmp_path / "interrupted"
+    driver = start_dtk("train", RECIPES / "quickstart.yaml", *TINY, "training.steps=100000",
+                       f"output.dir={interrupted}", "--testbed", "2", "--no-progress")
+    deadline = time.monotonic() + 120
+    while not ((interrupted / "metrics.jsonl").exists() and losses(interrupted)):  # training, on both hosts
+        assert driver.poll() is None and time.monotonic() < deadline, driver.stderr.read()[-3000:]
+        time.sleep(0.2)
+    driver.send_signal(signal.SIGINT)
+    out, err = driver.communicate(timeout=60)
+    assert driver.returncode == 130, err[-3000:]
+    assert bed_left_behind(driver.pid) == []
+    assert "interrupted at step" in out
+    assert json.loads((interrupted / "summary.json").read_text())["status"] == "interrupted"
+    pids = [pid for name in ("ranks.json", "ranks-node1.json")
+            for pid in json.loads((interrupted / name).read_text())["ranks"].values()]
+    assert len(pids) == 4 and not [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+
+
+@pytest.mark.timeout(240)
+def test_ranks_lost_on_another_host_killed_or_hung_are_recovered_in_place_by_node_0(tmp_path):
+    run_dir = tmp_path / "inplace"
+    p, left = run_dtk_on_bed("train", RECIPES / "quickstart.yaml", *TINY, "training.steps=10", f"output.dir={run_dir}",
+                             "resilience.mode=inplace", "--testbed", "2", "--fault", "kill:rank=3,step=4",
+                             "--fault", "hang:rank=2,step=7", "--no-progress", timeout=210)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert left == []
+    summary = json.loads((run_dir / "summary.json").read_text())
+    killed, hung = summary["failures"]
+    assert (killed["rank"], killed["fault"], killed["step"]) == (3, "kill", 4)
+    # node 1 saw its rank hang (node 0's ranks, waiting on it, were not taken for hung) and reported it
+    assert (hung["rank"], hung["fault"], hung["step"], hung["detected_by"]) == (2, "hang", 7, "heartbeat")
+    for f in (killed, hung):
+        # node 1 replaced its rank at node 0's request, with a shadow of its own (node 1's ids start at 1000)
+        [how] = f["replacements"]
+        assert how["node"] == 1 and how["replacement"] == "shadow" and how["shadow"] >= 1000
+        assert f["steps_lost"] == 0 and f["survivor_engines_kept"] and 0 in f["survivors"] and 1 in f["survivors"]
+
+    reference = train(tmp_path / "local", "world.nproc=4", "training.steps=10")
+    assert summary["losses"] == losses(reference)  # the run after recovery is the run without the failures
