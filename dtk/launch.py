@@ -306,6 +306,9 @@ class Launcher:
         check_shared(self.store, run_dir=self.run_dir, node_rank=self.topology.node_rank, nnodes=self.topology.nnodes,
                      resume=self.recipe.checkpoint.resume, timeout_s=self.recipe.world.timeout_s)
         self._join_nodes()
+        self.run_store.set(f"joined/{self.topology.node_rank}", json.dumps({"host": socket.gethostname(),
+                                                                            "pid": os.getpid()}))
+        self._absent: list[int] | None = None if self.topology.nnodes > 1 and not self.topology.node_rank else []
         for f in self.faults:
             self.deliver(f)
         live = LiveControl(self.run_dir, self.live_faults) if self.live_control and not self.topology.node_rank else None
@@ -362,6 +365,24 @@ class Launcher:
             return None
         return json.loads(self.run_store.get("stopped"))
 
+    def _never_joined(self) -> list[int]:
+        """Node 0: the nodes whose launcher has not reached the store after world.timeout_s (none before that);
+        every node joined: [] from then on."""
+        missing = [k for k in range(1, self.topology.nnodes) if not self.run_store.check([f"joined/{k}"])]
+        if not missing:
+            self._absent = []
+        return missing if missing and time.time() - self.t_start > self.recipe.world.timeout_s else []
+
+    def _absent_line(self, nodes: list[int]) -> str:
+        n = self.recipe.world.nproc
+        who = ", ".join(f"node {k} (rank{'s' if n > 1 else ''} {k * n}{f'-{k * n + n - 1}' if n > 1 else ''})"
+                        for k in nodes)
+        which = str(nodes[0]) if len(nodes) == 1 else "K"
+        return (f"error: {who} never joined the rendezvous at {self.address} within world.timeout_s="
+                f"{self.recipe.world.timeout_s:g}s; start `dtk train` there with --nnodes {self.topology.nnodes} "
+                f"--node-rank {which} --rdzv-endpoint {self.address}, and check that it can reach this host; the run "
+                f"is stopped.")
+
     def _follow_stop(self, stop: dict) -> int:
         self.stop_all()
         self.remote_failures = stop["failures"]  # figured by their node already
@@ -381,7 +402,8 @@ class Launcher:
             self.run_store.set(f"left/{node}", str(code))
             deadline = time.monotonic() + LEAVE_WAIT_S
             while node == 0 and time.monotonic() < deadline:
-                if all(self.run_store.check([f"left/{k}"]) for k in range(1, self.topology.nnodes)):
+                if all(self.run_store.check([f"left/{k}"]) for k in range(1, self.topology.nnodes)
+                       if k not in (self._absent or [])):
                     break
                 time.sleep(0.05)
         except dist_error():
@@ -395,6 +417,10 @@ class Launcher:
                 next_progress = time.monotonic() + 0.2
                 if stop := self._stopped_elsewhere():
                     return self._follow_stop(stop)
+                if self._absent is None and (absent := self._never_joined()):
+                    self._absent = absent
+                    self._stop([], self._absent_line(absent))
+                    return 1
             if self._started() and self._resumed_at is None:
                 self._resumed_at = time.time()  # training (re)started: random faults may land again
             if self.t_train is None and self._started():
@@ -465,6 +491,10 @@ class Launcher:
         elif not started:
             # before every rank has started, the others are still in their first rendezvous: nothing to keep
             stop = f"error: {what} before every rank started; the run is stopped."
+            if self._absent is None and (absent := [k for k in range(1, self.topology.nnodes)
+                                                    if not self.run_store.check([f"joined/{k}"])]):
+                self._absent = absent  # the rendezvous timed out because a node never came: say which
+                stop = self._absent_line(absent)
         elif verdict := self.storm.verdict(self.failures):
             stop = f"error: {verdict}."
         elif r.mode == "checkpoint" and self.topology.nnodes > 1:
