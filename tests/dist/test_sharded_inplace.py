@@ -26,9 +26,9 @@ PHASES = ("forward", "backward", "optimizer")
 STRATEGIES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
 FULL = os.environ.get("DTK_CHAOS_FULL") == "1"
 """DTK_CHAOS_FULL=1: every kind in every phase for each of the five strategies (9 failures + a corrupt one per
-launcher; about 55 s per strategy here). By default each sharded strategy gets each kind once, in a phase that rotates with the strategy, so that
-across them every (kind, phase) pair is run and the suite stays within CI's time; DDP's kinds and phases are run
-on 3 ranks by tests/dist/test_shadows.py."""
+launcher; about 55 s per strategy here). By default each sharded strategy gets each kind once, in a phase that
+rotates with the strategy, so that across them every (kind, phase) pair is run and the suite stays within CI's
+time; DDP's kinds and phases are run on 3 ranks by tests/dist/test_shadows.py."""
 
 
 def chaos_faults(strategy: str) -> list[tuple[str, int, str]]:
