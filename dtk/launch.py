@@ -565,6 +565,7 @@ def _rank_preexec() -> None:
 def launch(recipe: recipes.Recipe, *, recipe_path: str | None, topology: Topology | None = None,
            show_progress: bool = True, inject: list | None = None, fault_schedule: list | None = None,
            schedule_kind: str = "kill", live_control: bool = True) -> tuple[int, Path]:
+    recipes.check_parity_layout(recipe, nnodes=(topology or Topology()).nnodes)
     run_dir = prepare_run_dir(recipe, recipe_path)
     launcher = Launcher(recipe=recipe, run_dir=run_dir, topology=topology or Topology(), show_progress=show_progress,
                         faults=list(inject or []), fault_schedule=list(fault_schedule or []), schedule_kind=schedule_kind,

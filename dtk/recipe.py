@@ -248,10 +248,13 @@ def _semantic_lines(r: Recipe) -> list[str]:
         lines.append(f"resilience.mode: 'inplace' is not offered for strategy.name {r.strategy.name!r}; accepted "
                      f"strategies: ddp, fsdp, zero1, zero2, zero3")
     if r.resilience.mode == "inplace" and r.strategy.name != "ddp":
-        try:  # one-line errors when the parity groups do not fit the ranks
-            parity_layout(r.resilience, world=r.world.nproc, nproc_per_node=r.world.nproc)
-        except DtkError as e:
-            lines += e.lines
+        # groups hold whole nodes or tile one; the rest (tier 2 against the number of groups) needs the number of
+        # nodes, which the launch knows: check_parity_layout()
+        k, n = r.resilience.parity_group or max(2, r.world.nproc), r.world.nproc
+        if n % k and k % n:
+            divisors = [d for d in range(2, n + 1) if n % d == 0]
+            lines.append(f"resilience.parity_group: got {k}; parity groups must tile a node's {n} ranks or hold "
+                         f"whole nodes; accepted: {', '.join(map(str, divisors + [2 * n]))}, ... (a multiple of {n})")
     if r.resilience.mode == "checkpoint" and not r.checkpoint.every:
         lines.append("resilience.mode: 'checkpoint' restarts from a checkpoint, but checkpoint.every is 0; "
                      "set checkpoint.every to a number of steps >= 1")
@@ -307,6 +310,12 @@ def _split_learning_lines(r: Recipe) -> list[str]:
             lines.append(f"strategy.cut: got {s.cut}; model {r.model.name!r} with {r.model.layers} layers has "
                          f"{depth} places in order; accepted: 1..{depth - 1}")
     return lines
+
+
+def check_parity_layout(r: "Recipe", *, nnodes: int) -> None:
+    """At launch, when the number of nodes is known: the parity groups and tier 2 fit the whole run (DtkError)."""
+    if r.resilience.mode == "inplace" and r.strategy.name != "ddp":
+        parity_layout(r.resilience, world=r.world.nproc * nnodes, nproc_per_node=r.world.nproc)
 
 
 def parity_layout(resilience, *, world: int, nproc_per_node: int) -> tuple[int, int]:

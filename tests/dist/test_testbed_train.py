@@ -138,3 +138,24 @@ def test_ranks_lost_on_another_host_killed_or_hung_are_recovered_in_place_by_nod
 
     reference = train(tmp_path / "local", "world.nproc=4", "training.steps=10")
     assert summary["losses"] == losses(reference)  # the run after recovery is the run without the failures
+
+
+@pytest.mark.timeout(300)
+def test_every_rank_of_a_host_lost_at_once_is_rebuilt_across_hosts_from_tier_two(tmp_path):
+    # zero2, parity groups of one host each, one Reed-Solomon shard across the two hosts: host 1 loses both ranks
+    # in one step; host 1's launcher (alive) promotes its shadows and the shards come back from host 0's tier 2
+    run_dir = tmp_path / "host"
+    sharded = ["strategy.name=zero2", "training.steps=10", "resilience.parity_group=2", "resilience.parity_tier2=1"]
+    p, left = run_dtk_on_bed("train", RECIPES / "quickstart.yaml", *TINY, *sharded, f"output.dir={run_dir}",
+                             "resilience.mode=inplace", "resilience.shadows=2", "--testbed", "2",
+                             "--fault", "kill:rank=2,step=5", "--fault", "kill:rank=3,step=5", "--no-progress",
+                             timeout=270)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert left == []
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert sorted(f["rank"] for f in summary["failures"]) == [2, 3]
+    for f in summary["failures"]:
+        assert f["rebuilt_from"] == "parity tier 2" and f["steps_lost"] <= 1
+        assert {(r["rank"], r["node"]) for r in f["replacements"]} == {(2, 1), (3, 1)}
+    reference = train(tmp_path / "local", "world.nproc=4", *sharded)
+    assert losses(run_dir) == losses(reference)
