@@ -365,10 +365,14 @@ class Launcher:
             return None
         return json.loads(self.run_store.get("stopped"))
 
+    def _missing_nodes(self) -> list[int]:
+        """The nodes whose launcher has not reached the store yet."""
+        return [k for k in range(1, self.topology.nnodes) if not self.run_store.check([f"joined/{k}"])]
+
     def _never_joined(self) -> list[int]:
         """Node 0: the nodes whose launcher has not reached the store after world.timeout_s (none before that);
         every node joined: [] from then on."""
-        missing = [k for k in range(1, self.topology.nnodes) if not self.run_store.check([f"joined/{k}"])]
+        missing = self._missing_nodes()
         if not missing:
             self._absent = []
         return missing if missing and time.time() - self.t_start > self.recipe.world.timeout_s else []
@@ -491,8 +495,7 @@ class Launcher:
         elif not started:
             # before every rank has started, the others are still in their first rendezvous: nothing to keep
             stop = f"error: {what} before every rank started; the run is stopped."
-            if self._absent is None and (absent := [k for k in range(1, self.topology.nnodes)
-                                                    if not self.run_store.check([f"joined/{k}"])]):
+            if self._absent is None and (absent := self._missing_nodes()):
                 self._absent = absent  # the rendezvous timed out because a node never came: say which
                 stop = self._absent_line(absent)
         elif verdict := self.storm.verdict(self.failures):

@@ -58,7 +58,7 @@ def _rehearse(recipe, ctx, group, *, model, rank: int, warm) -> None:
     import gc
 
     from dtk.comm.group import Seam
-    from dtk.strategies import BuildContext, build_engine, forget_engines
+    from dtk.strategies import BuildContext, build_engine
 
     model = copy.deepcopy(model)  # the engine changes the model it wraps; the pristine one is kept for the real build
     t0 = time.time()
@@ -68,7 +68,6 @@ def _rehearse(recipe, ctx, group, *, model, rank: int, warm) -> None:
                                                                  group=group, device=ctx.device))
         engine.match_running_layout(*warm)
     del engine, model
-    forget_engines(recipe.strategy.name)
     gc.collect()
     logging.getLogger(__name__).info("rehearsed a %s engine for rank %d in %.2fs", recipe.strategy.name, rank,
                                      time.time() - t0)
@@ -181,7 +180,7 @@ def run_rank() -> None:
         engine.match_running_layout(x.to(device), y.to(device))  # every rank restarts: collectives match
     if trainer.writer:
         trainer.writer.truncate_from(start)  # records past the start are from a run that did not keep them
-        record = (getattr(control, "last_plan", None) or {}).get("record") if join is not None else None
+        record = (control.last_plan or {}).get("record") if join is not None else None
         if record and record["step"] == start - 1 and not trainer.writer.has(record["step"]):
             trainer.writer.write(record)  # the rank this one replaces was lost before it wrote its last step
     timeline.update(loaded_at=time.time(), start_step=start)

@@ -47,6 +47,8 @@ class Control:
         self.step_seconds = 0.0
         """The last committed step's duration: the launcher sizes its hang timeout from it."""
         """What the main thread is doing, for the launcher's hang watch: train, checkpoint (allowed longer), recovery."""
+        self.last_plan: dict | None = None
+        """The recovery plan this rank last joined by (dtk.resilience.inplace.rejoin)."""
         self.on_faults = None
         """Called from the watcher thread with newly announced fault specs (a list of dicts) for this rank."""
         self._faults_seen = 0

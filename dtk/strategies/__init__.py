@@ -50,15 +50,8 @@ rehearsal build for another rank has paid the first build's one-time costs (dtk.
 REHEARSABLE = frozenset({"fsdp", "zero1", "zero2"})
 """Sharded strategies whose shadow rehearses a build (dtk.worker). ZeRO-3 is left out: after a rehearsal, the
 promoted engine traced its modules under ids shifted by one model's count (17..33 for 0..16) on its first step,
-even with the module counter reset, and ZeRO-3 stops on a cross-rank trace mismatch; it builds cold on promotion."""
-
-
-def forget_engines(name: str) -> None:
-    """After a throw-away engine: what a strategy keeps per process must not make the next engine differ from a
-    first one (ZeRO-3's module numbering)."""
-    if name.startswith("zero"):
-        from dtk.strategies.zero import forget_engines as forget_zero
-        forget_zero()
+even with DeepSpeed's module counter reset to 0 after the rehearsal, and ZeRO-3 stops on a cross-rank trace
+mismatch; it builds cold on promotion."""
 
 
 def build_engine(name: str, ctx: BuildContext) -> Engine:

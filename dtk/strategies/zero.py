@@ -134,13 +134,3 @@ class ZeroEngine:
 
 def build(ctx: BuildContext, *, stage: int) -> ZeroEngine:
     return ZeroEngine(ctx, stage=stage)
-
-
-def forget_engines() -> None:
-    """Number the next engine's modules as a fresh process's first engine would be numbered. ZeRO-3 gives every
-    submodule an id from a per-process counter and checks each step that all ranks traced the same ids; a shadow's
-    rehearsal engine (dtk.worker) would otherwise shift its real engine's ids past every other rank's."""
-    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
-
-    counter = DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0]
-    counter[0] = 0

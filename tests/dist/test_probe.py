@@ -3,22 +3,16 @@ joins named by number, and on the test bed (root) a pair shaped to 200 mbit amon
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from dtk.launch import free_port
 from dtk.testbed.net import namespaces, unavailable_reason
 from tests.conftest import ROOT, dtk_env, run_dtk
 
 pytestmark = pytest.mark.dist
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(120)

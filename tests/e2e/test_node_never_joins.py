@@ -2,24 +2,17 @@
 in one line, instead of a collective timeout at step 0."""
 from __future__ import annotations
 
-import socket
-
 import pytest
 
 from conftest import RECIPES, TINY, run_dtk
+from dtk.launch import free_port
 
 pytestmark = [pytest.mark.e2e]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(120)
 def test_a_node_that_never_joins_is_named_within_the_timeout(tmp_path):
-    endpoint = f"127.0.0.1:{_port()}"
+    endpoint = f"127.0.0.1:{free_port()}"
     p = run_dtk("train", RECIPES / "quickstart.yaml", *TINY, "training.steps=5", "world.timeout_s=6",
                 f"output.dir={tmp_path / 'run'}", "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", endpoint,
                 "--no-progress", timeout=100)
