@@ -300,6 +300,14 @@ class Launcher:
             return self.procs[rank].returncode
         return self.view.remote_dead()[rank]["code"]  # a rank of another node (node 0 coordinates)
 
+    def hang_detected_at(self, rank: int) -> float | None:
+        """When a heartbeat found `rank` hung: here, or (a rank of another node) by the node that removed it."""
+        if rank in self.hangs.hung:
+            return self.hangs.hung[rank]
+        if rank in self.procs or self.view is self:
+            return None
+        return self.view.remote_dead().get(rank, {}).get("hang_detected_at")
+
     def run(self) -> int:
         self._open_store()
         from dtk.resilience.checkpoint import check_shared  # multi-node resume: every host reads node 0's checkpoint
@@ -446,7 +454,10 @@ class Launcher:
                     running = True
                 elif code != 0 and not self._finished(rank):
                     if self.reporter is not None:  # node 0 recovers it: report it (below), keep waiting
-                        self.reported_dead.setdefault(rank, {"code": code, "detected_at": time.time()})
+                        death = {"code": code, "detected_at": time.time()}
+                        if rank in self.hangs.hung:  # node 0 may not have seen it stall: say it was found hung here
+                            death["hang_detected_at"] = self.hangs.hung[rank]
+                        self.reported_dead.setdefault(rank, death)
                         running = True
                         continue
                     if not self._handle_failure(sorted(r for r in self.view.dead() if not self._finished(r))):

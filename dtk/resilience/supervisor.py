@@ -117,21 +117,22 @@ def describe_failure(launcher, *, rank: int, code: int, t_detect: float) -> dict
     fired = [f for f in launcher.fired() if f["rank"] == rank and f["id"] not in launcher.attributed]
     fired = [f for f in fired if f["kind"] != "slow"]
     committed = len([r for r in read_jsonl(launcher.run_dir / "metrics.jsonl") if "loss" in r])
+    hung_at = launcher.hang_detected_at(rank)
     record = {"rank": rank, "exit": signal_name(code), "attempt": launcher.attempt, "generation": launcher.generation,
               "detected_at": t_detect, "step": committed, "committed": committed, "fault_time": None}
     if fired:
         f = fired[-1]
         launcher.attributed.add(f["id"])
         record.update(fault=f["kind"], step=f["at_step"], fault_time=f["time"], fault_spec=f["id"])
-    elif rank in launcher.hangs.hung:
+    elif hung_at is not None:
         record.update(fault="hang")
     else:
         record["fault"] = "corrupt" if code == CORRUPT_EXIT else signal_name(code)
     if code == CORRUPT_EXIT:
         record["detected_by"] = "checksum"
-    if rank in launcher.hangs.hung:
+    if hung_at is not None:
         record["detected_by"] = "heartbeat"
-        record["hang_detected_at"] = launcher.hangs.hung[rank]
+        record["hang_detected_at"] = hung_at
     return record
 
 
