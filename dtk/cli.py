@@ -79,7 +79,8 @@ def train(
     from dtk.resilience import faults as fl
 
     world = r.world.nproc * (testbed or nnodes)
-    parsed = [fl.parse(spec, world=world, fault_id=f"f{i}", hosts=testbed or None) for i, spec in enumerate(fault or [])]
+    parsed = [fl.parse(spec, world=world, fault_id=f"f{i}", hosts=testbed or None, nodes=testbed or nnodes)
+              for i, spec in enumerate(fault or [])]
     if any(f.kind == "corrupt" for f in parsed) and not r.resilience.checksum_every:
         r.resilience.checksum_every = 1  # a corruption must be caught, never trained on
     if testbed:
@@ -251,8 +252,9 @@ def inject_failure(
     r = recipes.load(recipe_path, overrides)
     world = r.world.nproc
     parsed = [fl.parse(spec, world=world, fault_id=f"f{i}") for i, spec in enumerate(specs)]
-    if mtbf_fault not in fl.FAULTS:
-        raise DtkError(f"--mtbf-fault: got {mtbf_fault!r}; accepted: {', '.join(fl.FAULTS)}")
+    one_rank = [k for k in fl.FAULTS if k not in ("congest", "kill-host")]  # those two need several hosts
+    if mtbf_fault not in one_rank:
+        raise DtkError(f"--mtbf-fault: got {mtbf_fault!r}; accepted: {', '.join(one_rank)}")
     schedule = fl.random_schedule(mtbf_s=fl.parse_duration(mtbf, "--mtbf"), seed=seed, world=world) if mtbf else []
     if not parsed and not schedule:
         raise DtkError("--fault: none given; accepted: --fault KIND:rank=R,step=S (repeatable) or --mtbf 30s")

@@ -249,7 +249,8 @@ class Launcher:
         with self._fault_lock:
             start = self._live_count
             self._live_count += len(specs)
-        parsed = [faults.parse(s, world=self.world, fault_id=f"live{start + i}", flag="fault") for i, s in enumerate(specs)]
+        parsed = [faults.parse(s, world=self.world, fault_id=f"live{start + i}", flag="fault",
+                               nodes=self.topology.nnodes) for i, s in enumerate(specs)]
         for f in parsed:
             self.deliver(f)
         append_event(self.run_dir, {"event": "faults scheduled", "faults": [f.spec() for f in parsed]})
@@ -274,19 +275,28 @@ class Launcher:
 
     # -- the run --
     def _join_nodes(self) -> None:
-        """Multi-node in-place recovery: node 0 coordinates it for every node's ranks (dtk.resilience.nodes)."""
+        """Multi-node: every node but 0 beats and node 0 watches the beats (a lost host); in place, node 0
+        coordinates every node's recoveries (dtk.resilience.nodes)."""
         self.view = self  # what the recovery sequence acts on (dtk.resilience.recovery.RunView)
-        self.reporter = None
+        self.reporter = self.node_beat = self.node_watch = None
         self.reported_dead: dict[int, dict] = {}
-        if self.topology.nnodes == 1 or self.recipe.resilience.mode != "inplace":
+        self._fenced = False
+        if self.topology.nnodes == 1:
             return
-        from dtk.resilience.nodes import Coordinator, NodeReporter
+        from dtk.resilience.nodes import Coordinator, NodeBeat, NodeReporter, NodeWatch
 
-        if self.topology.node_rank == 0:
-            self.view = Coordinator(launcher=self, run_store=self.run_store, nnodes=self.topology.nnodes,
-                                    nproc=self.recipe.world.nproc)
+        node = self.topology.node_rank
+        if node:
+            self.node_beat = NodeBeat(run_store=self.run_store, node=node)
         else:
-            self.reporter = NodeReporter(run_store=self.run_store, node=self.topology.node_rank)
+            self.node_watch = NodeWatch(run_store=self.run_store, nnodes=self.topology.nnodes)
+        if self.recipe.resilience.mode != "inplace":
+            return
+        if node == 0:
+            self.view = Coordinator(launcher=self, run_store=self.run_store, nnodes=self.topology.nnodes,
+                                    nproc=self.recipe.world.nproc, watch=self.node_watch)
+        else:
+            self.reporter = NodeReporter(run_store=self.run_store, node=node)
 
     def _replace_for_node0(self, rank: int, generation: int) -> dict:
         how = self.replace(rank, generation)
@@ -295,10 +305,18 @@ class Launcher:
             self.shadows.replenish()
         return how
 
-    def _exit_code(self, rank: int) -> int:
+    def _exit_code(self, rank: int) -> int | None:
+        """None: the rank was on a lost node (nobody saw it exit)."""
         if rank in self.procs:
             return self.procs[rank].returncode
-        return self.view.remote_dead()[rank]["code"]  # a rank of another node (node 0 coordinates)
+        return self.view.remote_dead().get(rank, {}).get("code")  # a rank of another node (node 0 coordinates)
+
+    def lost_node_of(self, rank: int) -> int | None:
+        """Node 0: the lost node that hosted `rank`, if it was lost with its node."""
+        if self.node_watch is None or rank in self.procs:
+            return None
+        node = self.view.node_of(rank) if self.view is not self else rank // self.recipe.world.nproc
+        return node if node in self.node_watch.lost else None
 
     def hang_detected_at(self, rank: int) -> float | None:
         """When a heartbeat found `rank` hung: here, or (a rank of another node) by the node that removed it."""
@@ -395,6 +413,29 @@ class Launcher:
                 f"--node-rank {which} --rdzv-endpoint {self.address}, and check that it can reach this host; the run "
                 f"is stopped.")
 
+    def _fence(self, said: str) -> int:
+        """Node 0 took this node for lost (it did not hear it for a while) and gives its ranks to other nodes: stop
+        them, so that no rank runs twice, and end without stopping the run."""
+        self.stop_all(grace_s=0.0)
+        self._fenced = True
+        self.messages.append(f"error: {said}; this node's ranks are stopped (node 0 recovers them elsewhere).")
+        return 1
+
+    def _stop_for_lost_nodes(self, nodes: list[int]) -> int:
+        n = self.recipe.world.nproc
+        who = ", ".join(f"node {k} (rank{'s' if n > 1 else ''} {k * n}{f'-{k * n + n - 1}' if n > 1 else ''})"
+                        for k in nodes)
+        silent = max(self.node_watch.lost[k] for k in nodes)
+        t_detect = time.time()
+        records = [describe_failure(self, rank=q, code=None, t_detect=t_detect)
+                   for k in nodes for q in range(k * n, k * n + n)]
+        then = ("run the same command again, with a host in its place, to resume from the latest checkpoint"
+                if self.recipe.resilience.mode == "checkpoint" else
+                "resilience.mode=inplace recovers a lost host's ranks on the other hosts")
+        self._stop(records, f"error: {who} went silent (its launcher was not heard for {silent:.1f}s: the host is lost "
+                       f"or cut off); the run is stopped; {then}.")
+        return 1
+
     def _follow_stop(self, stop: dict) -> int:
         self.stop_all()
         self.remote_failures = stop["failures"]  # figured by their node already
@@ -408,14 +449,14 @@ class Launcher:
         node 0 waits (a while) for the others, so that none loses the store while it still reports."""
         node = self.topology.node_rank
         try:
-            if code != 0 and not self.run_store.check(["stopped"]):
+            if code != 0 and not self._fenced and not self.run_store.check(["stopped"]):
                 self.run_store.set("stopped", json.dumps({"node": node, "code": code, "messages": self.messages,
                                                           "failures": self.failures}))
             self.run_store.set(f"left/{node}", str(code))
             deadline = time.monotonic() + LEAVE_WAIT_S
             while node == 0 and time.monotonic() < deadline:
-                if all(self.run_store.check([f"left/{k}"]) for k in range(1, self.topology.nnodes)
-                       if k not in (self._absent or [])):
+                gone = set(self._absent or []) | set(self.node_watch.lost)
+                if all(self.run_store.check([f"left/{k}"]) for k in range(1, self.topology.nnodes) if k not in gone):
                     break
                 time.sleep(0.05)
         except dist_error():
@@ -467,12 +508,22 @@ class Launcher:
                 elif code != 0:
                     log.warning("rank %d finished its steps, then exited with %s (teardown); run kept", rank,
                                 signal_name(code))
+            if self.node_beat is not None and (said := self.node_beat.beat()):
+                return self._fence(said)
+            # ranks recovering while no death is known: their peers on a lost host broke their collectives
+            suspect = self.hangs.recovering() and not self.control.check([f"gen{self.generation}/failure"])
+            if self.node_watch is not None and (silent := self.node_watch.silent(suspect=suspect)):
+                if self.view is self:  # not in place: nothing can take the lost ranks
+                    return self._stop_for_lost_nodes(silent)
+                self.view.fence_lost()  # a node only cut off for a while must not keep its ranks
+                next_remote = 0.0  # their ranks are dead now (Coordinator.dead): recovered below
             if self.reporter is not None:
                 self.reporter.publish(self.reported_dead)
                 self.reporter.serve(self._replace_for_node0, self.reported_dead)
             elif self.view is not self and time.monotonic() >= next_remote:
                 next_remote = time.monotonic() + 0.1
-                if remote := [r for r in self.view.remote_dead() if not self._finished(r)]:
+                remote = [r for r in [*self.view.remote_dead(), *self.view.on_lost_nodes()] if not self._finished(r)]
+                if remote:
                     if not self._handle_failure(sorted(set(remote) | {r for r in self.dead() if not self._finished(r)})):
                         return 1
                     continue
@@ -491,6 +542,11 @@ class Launcher:
         t_detect = time.time()
         r = self.recipe.resilience
         records = [describe_failure(self, rank=q, code=self._exit_code(q), t_detect=t_detect) for q in ranks]
+        host_down = {f["node_lost"]: f["fault_time"] for f in records
+                     if f.get("node_lost") is not None and f["fault_time"]}
+        for f in records:  # the ranks of a host killed on purpose died when it was killed
+            if f["fault_time"] is None and f.get("node_lost") in host_down:
+                f["fault_time"] = host_down[f["node_lost"]]
         what = " and ".join(f"rank {f['rank']} failed ({f['fault']})" for f in records)
         started = self._started()
         # progress that a recovery keeps: committed steps in place, the latest checkpoint for a restart
@@ -558,6 +614,8 @@ class Launcher:
             append_event(self.run_dir, {"event": "failure", **f, "action": "stopped", "why": message})
         self.messages.append(message)
         for f in records:
+            if f.get("node_lost") is not None:
+                continue  # its log is on the lost host
             log_path = self.run_dir / "logs" / f"rank{f['rank']}.log"
             self.messages.append(f"  last lines of {log_path}:")
             self.messages += [f"    {line}" for line in tail(log_path)]

@@ -10,6 +10,8 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import os
+import socket
 import threading
 import time
 
@@ -20,6 +22,8 @@ from dtk.comm.group import Seam
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.05
 BEAT_SECONDS = 0.25
+FENCED_EXIT = 76
+"""Exit code of a rank whose node was taken for lost: another process holds its rank now."""
 
 
 def connect(address: str, *, timeout_s: float = 300) -> dist.Store:
@@ -38,6 +42,8 @@ RUN_PREFIX = "dtk/run"
 class Control:
     def __init__(self, *, address: str, rank: int, attempt: int):
         self.rank = rank
+        self.token = f"{socket.gethostname()}:{os.getpid()}"
+        """This process, in its beats: node 0 fences it by this name when its node is taken for lost."""
         self.store = dist.PrefixStore(attempt_prefix(attempt), connect(address))
         self.run_store = dist.PrefixStore(RUN_PREFIX, connect(address))
         self._watch_store = dist.PrefixStore(attempt_prefix(attempt), connect(address))
@@ -70,9 +76,11 @@ class Control:
                     outstanding = sum(len(g.outstanding) for g in Seam.groups)
                     self._watch_store.set(f"beat/{self.rank}", json.dumps(
                         {"step": self.step, "t": time.time(), "outstanding": outstanding, "phase": self.phase,
-                         "step_s": self.step_seconds}))
+                         "step_s": self.step_seconds, "token": self.token}))
                     last_beat = time.monotonic()
                     self._poll_faults()
+                    if self._watch_store.check([f"fenced/{self.token}"]):
+                        self._exit_fenced(self._watch_store)
             except Exception:  # the launcher went away: the run is over, the main thread will find out
                 return
 
@@ -84,6 +92,16 @@ class Control:
         if len(faults) > self._faults_seen:
             self.on_faults(faults[self._faults_seen:])
             self._faults_seen = len(faults)
+
+    def fence_check(self) -> None:
+        """Before acting on a plan: a rank whose node was taken for lost exits (its rank was given to another)."""
+        if self.store.check([f"fenced/{self.token}"]):
+            self._exit_fenced(self.store)
+
+    def _exit_fenced(self, store) -> None:
+        log.error("rank %d: %s; exiting", self.rank, store.get(f"fenced/{self.token}").decode())
+        logging.shutdown()
+        os._exit(FENCED_EXIT)
 
     def initial_faults(self) -> list[dict]:
         key = f"faults/{self.rank}"

@@ -28,6 +28,8 @@ FAULTS: dict[str, str] = {
     "hang": "the rank stays alive but stops making progress (blocked before its next collective)",
     "slow": "straggler: from that step on the rank's steps take `factor` times longer (default 3)",
     "corrupt": "flip one bit in one tensor of the rank's local state (caught by the state checksum)",
+    "kill-host": "more than one host (--testbed H, --nnodes N): every process dtk runs on a host dies at once (its "
+                 "launcher, ranks and shadows; as when the machine goes down): kill-host:host=1,step=5",
     "congest": "test bed only (--testbed H): from step S shape a host's link (host=I) or one path (pair=I-J) to "
                "rate=R: congest:pair=0-1,rate=200mbit,step=5",
 }
@@ -56,9 +58,11 @@ class Fault:
         return f"{self.kind}:{','.join(parts)}"
 
 
-def parse(spec: str, *, world: int, fault_id: str, flag: str = "--fault", hosts: int | None = None):
+def parse(spec: str, *, world: int, fault_id: str, flag: str = "--fault", hosts: int | None = None,
+          nodes: int | None = None):
     """`kill:rank=1,step=20` -> Fault; `congest:pair=0-1,rate=200mbit,step=5` -> dtk.testbed.shape.Congestion, only
-    on a test bed of `hosts` hosts. A bad spec raises DtkError naming the flag, the value and what is accepted."""
+    on a test bed of `hosts` hosts; `kill-host:host=1,step=5` -> a Fault of the host's first rank, on a run of
+    `nodes` nodes (default: `hosts`). A bad spec raises DtkError naming the flag, the value and what is accepted."""
     kind, _, rest = spec.partition(":")
     if kind not in FAULTS:
         raise DtkError(f"{flag}: got {spec!r}; the fault must be one of {', '.join(FAULTS)}")
@@ -71,11 +75,14 @@ def parse(spec: str, *, world: int, fault_id: str, flag: str = "--fault", hosts:
                            "(dtk train, dtk compare; dtk bench comm --testbed N --congest ...)")
         return congestion
     fields: dict[str, str] = {}
+    keys = ("host", "rank", "step") if kind == "kill-host" else ("rank", "step", "phase", "factor")
     for item in filter(None, rest.split(",")):
         key, sep, value = item.partition("=")
-        if not sep or key not in ("rank", "step", "phase", "factor"):
-            raise DtkError(f"{flag}: got {item!r} in {spec!r}; accepted keys: rank, step, phase, factor (key=value)")
+        if not sep or key not in keys:
+            raise DtkError(f"{flag}: got {item!r} in {spec!r}; accepted keys: {', '.join(keys)} (key=value)")
         fields[key] = value
+    if kind == "kill-host":
+        fields["rank"] = _host_rank(spec, fields, world=world, nodes=nodes or hosts, flag=flag)
     try:
         rank = int(fields.get("rank", "-1"))
         step = int(fields["step"]) if "step" in fields else None
@@ -92,6 +99,24 @@ def parse(spec: str, *, world: int, fault_id: str, flag: str = "--fault", hosts:
     if factor < 1:
         raise DtkError(f"{flag}: got factor={factor:g} in {spec!r}; accepted: factor >= 1")
     return Fault(kind=kind, rank=rank, step=step, phase=phase, factor=factor, id=fault_id)
+
+
+def _host_rank(spec: str, fields: dict[str, str], *, world: int, nodes: int | None, flag: str) -> str:
+    """kill-host names its host (host=I) or a rank it runs (rank=R, the spelling a launcher passes on); the fault
+    is fired by that rank: its first rank for host=I."""
+    if not nodes or nodes < 2:
+        raise DtkError(f"{flag}: got {spec!r}; kill-host needs a run of more than one host (--testbed H, or --nnodes N)")
+    if ("host" in fields) == ("rank" in fields):
+        raise DtkError(f"{flag}: got {spec!r}; accepted: exactly one of host=I or rank=R (the host that runs rank R)")
+    if "rank" in fields:
+        return fields["rank"]
+    try:
+        host = int(fields["host"])
+    except ValueError:
+        host = -1
+    if not 0 <= host < nodes:
+        raise DtkError(f"{flag}: got host={fields['host']} in {spec!r}; accepted: host=0..{nodes - 1}")
+    return str(host * (world // nodes))
 
 
 def announce(run_store, fault: Fault) -> None:
@@ -183,6 +208,10 @@ class Injector:
             os.kill(os.getpid(), signal.SIGSEGV)
         elif f.kind == "exit":
             os._exit(3)
+        elif f.kind == "kill-host":
+            # the launcher first: every rank and shadow it started dies with it (their parent-death signal)
+            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
         elif f.kind == "hang":
             threading.Event().wait()
         elif f.kind == "slow":

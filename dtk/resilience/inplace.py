@@ -54,6 +54,7 @@ def rejoin(*, engine, control, group, generation: int, device: torch.device, com
 
     while True:
         plan = control.wait_plan(generation)
+        control.fence_check()  # fenced before the plan was written: this rank was given to another process
         control.last_plan = plan
         t_plan = time.time()
         if control.generation_failed(generation):  # a peer died before this rank got here: do not wait for it

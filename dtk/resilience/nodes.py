@@ -1,8 +1,10 @@
-"""In-place recovery across nodes: node 0's launcher coordinates every recovery of the run; a launcher on another node
-reports its ranks' deaths to node 0 and carries out node 0's replacement requests for its ranks. Both sides talk
-through the run's store (node 0's), under `dtk/run/nodes/<node>/`.
+"""Nodes of one run: every launcher but node 0's beats in the run's store, so that node 0 notices a node that went
+silent (the host lost, its launcher with it); and in-place recovery across nodes: node 0's launcher coordinates
+every recovery of the run; a launcher on another node reports its ranks' deaths to node 0 and carries out node 0's
+replacement requests. Everything goes through the run's store (node 0's), under `dtk/run/nodes/<node>/`.
 
-Node 0 hands the recovery sequence (dtk.resilience.recovery) a `Coordinator`: the RunView of the whole run.
+Node 0 hands the recovery sequence (dtk.resilience.recovery) a `Coordinator`: the RunView of the whole run. A rank
+of a lost node is replaced on a surviving node (the one that hosts the fewest ranks), which then hosts it.
 """
 from __future__ import annotations
 
@@ -13,8 +15,74 @@ REPLACE_TIMEOUT_S = 120.0
 """How long node 0 waits for another node to start a rank's replacement (a cold start takes seconds)."""
 
 
+NODE_BEAT_S = 0.1
+"""How often a launcher on node k > 0 beats."""
+NODE_SILENT_S = 3.0
+"""A node whose launcher has not beaten for this long is lost (the host is gone, or cut off). A launcher polls every
+20 ms: 30 beats missed in a row do not happen to a live one, even on a loaded machine."""
+NODE_SUSPECT_S = 1.0
+"""...or for this long while a rank is recovering with no rank known dead (its collectives broke: a peer is gone)."""
+
+
 def _dead_key(node: int) -> str:
     return f"nodes/{node}/dead"
+
+
+def _lost_key(node: int) -> str:
+    return f"nodes/{node}/lost"
+
+
+class NodeBeat:
+    """A launcher on node k > 0: beats (a counter in the store) and finds out whether node 0 took it for lost."""
+
+    def __init__(self, *, run_store, node: int):
+        self.store, self.node = run_store, node
+        self._next = 0.0
+
+    def beat(self) -> str | None:
+        """Beat when due; returns what node 0 said when it declared this node lost (then the node must stop)."""
+        now = time.monotonic()
+        if now < self._next:
+            return None
+        self._next = now + NODE_BEAT_S
+        self.store.add(f"nodes/{self.node}/beat", 1)
+        if self.store.check([_lost_key(self.node)]):
+            return self.store.get(_lost_key(self.node)).decode()
+        return None
+
+
+class NodeWatch:
+    """Node 0: the nodes whose launcher stopped beating for NODE_SILENT_S (those that left at the end excepted)."""
+
+    def __init__(self, *, run_store, nnodes: int):
+        self.store, self.nnodes = run_store, nnodes
+        self.seen: dict[int, tuple[int, float]] = {}
+        self.lost: dict[int, float] = {}
+        """node -> how long it had been silent when it was declared lost"""
+        self._next = 0.0
+
+    def silent(self, *, suspect: bool = False) -> list[int]:
+        """Nodes newly found silent (each once); they are marked lost in the store: a node that was only slow
+        reads that and stops its ranks (never two processes for one rank). `suspect`: a peer is known to be gone
+        (a rank's collectives broke and no death explains it), so a shorter silence is enough."""
+        now = time.monotonic()
+        if now < self._next:
+            return []
+        self._next = now + NODE_BEAT_S
+        out = []
+        for node in range(1, self.nnodes):
+            if node in self.lost or not self.store.check([f"joined/{node}"]) or self.store.check([f"left/{node}"]):
+                continue
+            beats = self.store.add(f"nodes/{node}/beat", 0)
+            count, since = self.seen.get(node, (-1, now))
+            if beats != count:
+                self.seen[node] = (beats, now)
+            elif now - since > (NODE_SUSPECT_S if suspect else NODE_SILENT_S):
+                self.lost[node] = now - since
+                self.store.set(_lost_key(node), f"node 0 heard nothing from this node's launcher for "
+                                                f"{now - since:.1f}s and took it for lost")
+                out.append(node)
+        return out
 
 
 class NodeReporter:
@@ -50,9 +118,11 @@ class Coordinator:
     """Node 0's view of the whole run for the recovery sequence (dtk.resilience.recovery.RunView): every rank of
     every node; a rank of node k is replaced by node k's launcher on request."""
 
-    def __init__(self, *, launcher, run_store, nnodes: int, nproc: int):
-        self.launcher, self.store, self.nnodes, self.nproc = launcher, run_store, nnodes, nproc
+    def __init__(self, *, launcher, run_store, nnodes: int, nproc: int, watch: NodeWatch):
+        self.launcher, self.store, self.nnodes, self.nproc, self.watch = launcher, run_store, nnodes, nproc, watch
         self._requests = [0] * nnodes
+        self.placement = {r: r // nproc for r in range(nnodes * nproc)}
+        """rank -> the node that hosts it: its own, until its node is lost and a surviving node takes it"""
 
     # the RunView's fields, the launcher's own
     @property
@@ -72,26 +142,52 @@ class Coordinator:
         self.launcher.generation = value
 
     def node_of(self, rank: int) -> int:
-        return rank // self.nproc
+        return self.placement[rank]
+
+    def on_lost_nodes(self) -> list[int]:
+        """The ranks hosted by a lost node (not replaced yet): they died with it."""
+        return sorted(r for r, node in self.placement.items() if node in self.watch.lost)
+
+    def fence_lost(self) -> None:
+        """Mark every process of a rank on a lost node (by the token in its last beat) before it is replaced: if
+        the node was only cut off for a while, such a rank exits at its next beat, and before any plan it reads."""
+        control = self.launcher.control
+        for r in self.on_lost_nodes():
+            if control.check([f"beat/{r}"]):
+                token = json.loads(control.get(f"beat/{r}"))["token"]
+                node = self.placement[r]
+                control.set(f"fenced/{token}", f"node 0 took node {node} for lost after "
+                                               f"{self.watch.lost[node]:.1f}s without a word from it, and gave rank "
+                                               f"{r} to another process")
 
     def remote_dead(self) -> dict[int, dict]:
-        """The ranks other nodes report dead (and have not replaced yet): rank -> {code, detected_at}."""
+        """The ranks other (live) nodes report dead, and have not replaced yet: rank -> {code, detected_at}."""
         out: dict[int, dict] = {}
         for node in range(1, self.nnodes):
-            if self.store.check([_dead_key(node)]):
-                out.update({int(r): v for r, v in json.loads(self.store.get(_dead_key(node))).items()})
+            if node not in self.watch.lost and self.store.check([_dead_key(node)]):
+                reported = json.loads(self.store.get(_dead_key(node)))
+                out.update({int(r): v for r, v in reported.items() if self.placement[int(r)] == node})
         return out
 
     def ranks(self) -> list[int]:
         return list(range(self.nnodes * self.nproc))
 
     def dead(self) -> list[int]:
-        return sorted(set(self.launcher.dead()) | set(self.remote_dead()))
+        return sorted(set(self.launcher.dead()) | set(self.remote_dead()) | set(self.on_lost_nodes()))
+
+    def _host_for(self, rank: int) -> int:
+        node = self.placement[rank]
+        if node not in self.watch.lost:
+            return node
+        alive = [k for k in range(self.nnodes) if k not in self.watch.lost]
+        return min(alive, key=lambda k: (sum(1 for v in self.placement.values() if v == k), k))
 
     def replace(self, rank: int, generation: int) -> dict:
-        node = self.node_of(rank)
+        node = self._host_for(rank)
+        moved = {"moved_from_node": self.placement[rank]} if node != self.placement[rank] else {}
+        self.placement[rank] = node
         if node == 0:
-            return self.launcher.replace(rank, generation)
+            return {**self.launcher.replace(rank, generation), "node": 0, **moved}
         seq = self._requests[node]
         self._requests[node] += 1
         self.store.set(f"nodes/{node}/replace/{seq}", json.dumps({"rank": rank, "generation": generation}))
@@ -103,4 +199,4 @@ class Coordinator:
 
                 raise RecoveryFailed(f"node {node} did not replace rank {rank} in {REPLACE_TIMEOUT_S:.0f}s")
             time.sleep(0.005)
-        return {**json.loads(self.store.get(answer)), "node": node}
+        return {**json.loads(self.store.get(answer)), "node": node, **moved}

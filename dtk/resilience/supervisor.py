@@ -44,6 +44,8 @@ class HangWatch:
 
     def reset(self) -> None:
         self.seen: dict[int, tuple[int, float]] = {}
+        self.phases: dict[int, str] = {}
+        """Each rank's phase in its last beat read (train, checkpoint, recovery)."""
         self.hung: dict[int, float] = {}
         self._next_poll = 0.0
 
@@ -54,6 +56,10 @@ class HangWatch:
             return HANG_ALLOWANCE_S
         p95 = statistics.quantiles(self.step_times, n=20)[-1] if len(self.step_times) > 1 else self.step_times[0]
         return max(HANG_FLOOR_S, HANG_STEP_MULTIPLE * p95)
+
+    def recovering(self) -> bool:
+        """A rank's last beat said it is recovering: its collectives broke, so a peer is gone."""
+        return "recovery" in self.phases.values()
 
     def describe(self) -> dict:
         return {"heartbeat_timeout_s": self.timeout_s(), "mode": "fixed" if self.fixed_s is not None else "auto",
@@ -68,6 +74,7 @@ class HangWatch:
         for r in ranks:
             if control.check([f"beat/{r}"]):
                 beats[r] = json.loads(control.get(f"beat/{r}"))
+                self.phases[r] = beats[r].get("phase", "train")
                 step, since = self.seen.get(r, (-1, now))
                 if beats[r]["step"] != step:
                     self.seen[r] = (beats[r]["step"], now)
@@ -109,16 +116,19 @@ class StormWatch:
                 f"the run is stopped")
 
 
-def describe_failure(launcher, *, rank: int, code: int, t_detect: float) -> dict:
-    """What failed, when it was caused (if dtk caused it) and at which step."""
+def describe_failure(launcher, *, rank: int, code: int | None, t_detect: float) -> dict:
+    """What failed, when it was caused (if dtk caused it) and at which step. `code` None: nobody saw the rank exit
+    (it was lost with its node)."""
     from dtk.metrics import read_jsonl
     from dtk.resilience.faults import CORRUPT_EXIT
 
     fired = [f for f in launcher.fired() if f["rank"] == rank and f["id"] not in launcher.attributed]
     fired = [f for f in fired if f["kind"] != "slow"]
     committed = len([r for r in read_jsonl(launcher.run_dir / "metrics.jsonl") if "loss" in r])
-    hung_at = launcher.hang_detected_at(rank)
-    record = {"rank": rank, "exit": signal_name(code), "attempt": launcher.attempt, "generation": launcher.generation,
+    lost_node = launcher.lost_node_of(rank)
+    hung_at = launcher.hang_detected_at(rank) if lost_node is None else None  # a lost node's ranks stall too
+    exit_ = f"lost with node {lost_node}" if code is None else signal_name(code)
+    record = {"rank": rank, "exit": exit_, "attempt": launcher.attempt, "generation": launcher.generation,
               "detected_at": t_detect, "step": committed, "committed": committed, "fault_time": None}
     if fired:
         f = fired[-1]
@@ -126,8 +136,13 @@ def describe_failure(launcher, *, rank: int, code: int, t_detect: float) -> dict
         record.update(fault=f["kind"], step=f["at_step"], fault_time=f["time"], fault_spec=f["id"])
     elif hung_at is not None:
         record.update(fault="hang")
+    elif lost_node is not None:
+        record["fault"] = "host lost"
     else:
         record["fault"] = "corrupt" if code == CORRUPT_EXIT else signal_name(code)
+    if lost_node is not None:
+        record.update(detected_by="node heartbeat", node_lost=lost_node,
+                      node_silent_s=launcher.node_watch.lost[lost_node])
     if code == CORRUPT_EXIT:
         record["detected_by"] = "checksum"
     if hung_at is not None:

@@ -4,6 +4,7 @@ bed that is gone afterwards also when the run fails or is interrupted."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -141,21 +142,76 @@ def test_ranks_lost_on_another_host_killed_or_hung_are_recovered_in_place_by_nod
 
 
 @pytest.mark.timeout(300)
-def test_every_rank_of_a_host_lost_at_once_is_rebuilt_across_hosts_from_tier_two(tmp_path):
-    # zero2, parity groups of one host each, one Reed-Solomon shard across the two hosts: host 1 loses both ranks
-    # in one step; host 1's launcher (alive) promotes its shadows and the shards come back from host 0's tier 2
+def test_a_host_killed_with_its_launcher_and_shadows_is_rebuilt_on_the_other_host_from_tier_two(tmp_path):
+    # zero2, parity groups of one host each, one Reed-Solomon shard across the two hosts; at step 5 host 1 goes
+    # down: its launcher, both ranks and its shadows are SIGKILLed at once. Node 0 stops hearing host 1, promotes
+    # its own shadows to ranks 2 and 3, and their shards come back from host 0's tier 2
     run_dir = tmp_path / "host"
     sharded = ["strategy.name=zero2", "training.steps=10", "resilience.parity_group=2", "resilience.parity_tier2=1"]
     p, left = run_dtk_on_bed("train", RECIPES / "quickstart.yaml", *TINY, *sharded, f"output.dir={run_dir}",
                              "resilience.mode=inplace", "resilience.shadows=2", "--testbed", "2",
-                             "--fault", "kill:rank=2,step=5", "--fault", "kill:rank=3,step=5", "--no-progress",
-                             timeout=270)
+                             "--fault", "kill-host:host=1,step=5", "--no-progress", timeout=270)
     assert p.returncode == 0, p.stderr[-3000:]
     assert left == []
+    assert [-signal.SIGKILL] == [e["exit_codes"][1] for e in read_jsonl(run_dir / "events.jsonl")
+                                 if e["event"] == "launchers ended"]  # host 1's launcher was killed, not stopped
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert sorted(f["rank"] for f in summary["failures"]) == [2, 3]
-    for f in summary["failures"]:
-        assert f["rebuilt_from"] == "parity tier 2" and f["steps_lost"] <= 1
-        assert {(r["rank"], r["node"]) for r in f["replacements"]} == {(2, 1), (3, 1)}
+    by_rank = {f["rank"]: f for f in summary["failures"]}
+    assert sorted(by_rank) == [2, 3] and (by_rank[2]["fault"], by_rank[3]["fault"]) == ("kill-host", "host lost")
+    for f in by_rank.values():
+        assert f["node_lost"] == 1 and f["detected_by"] == "node heartbeat" and f["exit"] == "lost with node 1"
+        assert f["rebuilt_from"] == "parity tier 2" and f["steps_lost"] <= 1 and f["survivors"] == [0, 1]
+        assert {(r["rank"], r["node"], r["moved_from_node"], r["replacement"]) for r in f["replacements"]} == {
+            (2, 0, 1, "shadow"), (3, 0, 1, "shadow")}
+        assert f["fault_time"] == by_rank[2]["fault_time"]  # both died when the host went down
+    pids = json.loads((run_dir / "ranks.json").read_text())["ranks"]
+    assert sorted(pids) == ["0", "1", "2", "3"]  # host 0 ran all four ranks after the loss
     reference = train(tmp_path / "local", "world.nproc=4", *sharded)
     assert losses(run_dir) == losses(reference)
+
+
+@pytest.mark.timeout(200)
+def test_a_host_lost_without_in_place_recovery_is_named_in_one_line_and_its_ranks_recorded(tmp_path):
+    run_dir = tmp_path / "ckpt"
+    p, left = run_dtk_on_bed("train", RECIPES / "quickstart.yaml", *TINY, "training.steps=10", f"output.dir={run_dir}",
+                             "resilience.mode=checkpoint", "checkpoint.every=2", "--testbed", "2",
+                             "--fault", "kill-host:host=1,step=5", "--no-progress", timeout=170)
+    assert p.returncode == 1 and left == []
+    assert "Traceback" not in p.stderr
+    [line] = [line for line in p.stderr.splitlines() if line.startswith("error:")]
+    assert "node 1 (ranks 2-3) went silent" in line and "resume from the latest checkpoint" in line
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert [(f["rank"], f["node_lost"], f["detected_by"]) for f in summary["failures"]] == [
+        (2, 1, "node heartbeat"), (3, 1, "node heartbeat")]
+
+
+@pytest.mark.timeout(240)
+def test_a_host_cut_off_for_a_while_is_fenced_and_its_ranks_recovered_on_the_other_host(tmp_path):
+    # host 1's launcher freezes (SIGSTOP) for 4.5s while its ranks go on training: node 0 stops hearing it, takes
+    # the host for lost and gives ranks 2 and 3 to its own shadows. The old rank processes read that they were
+    # fenced and exit before any plan; the launcher, thawed, stops without stopping the run.
+    run_dir = tmp_path / "cut"
+    driver = start_dtk("train", RECIPES / "quickstart.yaml", *TINY, "training.steps=400", f"output.dir={run_dir}",
+                       "resilience.mode=inplace", "--testbed", "2", "--no-progress")
+    deadline = time.monotonic() + 120
+    while not ((run_dir / "ranks-node1.json").exists() and (run_dir / "metrics.jsonl").exists()
+               and len(losses(run_dir)) >= 3):
+        assert driver.poll() is None and time.monotonic() < deadline, driver.stderr.read()[-3000:]
+        time.sleep(0.1)
+    node1 = json.loads((run_dir / "ranks-node1.json").read_text())
+    os.kill(node1["launcher"], signal.SIGSTOP)
+    time.sleep(4.5)
+    os.kill(node1["launcher"], signal.SIGCONT)
+    out, err = driver.communicate(timeout=180)
+    assert driver.returncode == 0, err[-3000:]
+    assert bed_left_behind(driver.pid) == []
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [(f["rank"], f["node_lost"], f["fault"]) for f in summary["failures"]] == [(2, 1, "host lost"),
+                                                                                       (3, 1, "host lost")]
+    assert all(r["node"] == 0 for f in summary["failures"] for r in f["replacements"])
+    assert "took it for lost" in (run_dir / "logs" / "launcher1.log").read_text()
+    old = [p for p in node1["ranks"].values()]
+    assert not [p for p in old if Path(f"/proc/{p}").exists()]
+    reference = train(tmp_path / "local", "world.nproc=4", "training.steps=400")
+    assert losses(run_dir) == losses(reference)  # no step was trained by two processes of one rank

@@ -51,6 +51,10 @@ CASES = [
     ("endpoint_without_port", QUICKSTART, ["--rdzv-endpoint", "node0"], ["--rdzv-endpoint", "'node0'"]),
     ("endpoint_bad_port", QUICKSTART, ["--rdzv-endpoint", "node0:99999"], ["--rdzv-endpoint", "'node0:99999'"]),
     ("unknown_option", QUICKSTART, ["--bogus"], ["--bogus"]),
+    ("kill_host_on_one_host", QUICKSTART, ["--fault", "kill-host:host=0,step=3"],
+     ["--fault", "'kill-host:host=0,step=3'", "more than one host"]),
+    ("kill_host_out_of_range", QUICKSTART, ["--nnodes", "2", "--fault", "kill-host:host=2,step=3"],
+     ["--fault", "host=2", "host=0..1"]),
 ]
 
 
