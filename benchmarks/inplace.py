@@ -71,6 +71,15 @@ def run_parity(strategy: str, mode: str, steps: int, workdir: Path) -> dict:
     return {"tokens_per_s": summary["throughput"], "parity": summary.get("parity")}
 
 
+def stage_medians(runs: list[dict]) -> str:
+    """`detect 0.012 release 0.001 ...`: each downtime stage's median over the runs."""
+    stages: dict[str, list[float]] = {}
+    for r in runs:
+        for k, v in r["breakdown_s"].items():
+            stages.setdefault(k, []).append(v)
+    return " ".join(f"{k} {statistics.median(v):.3f}" for k, v in stages.items())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=2)
@@ -115,11 +124,7 @@ def main() -> None:
                 print(f"  steady shadows={shadows} rep {rep + 1}: {steady[shadows][-1]:,.0f} tokens/s", flush=True)
     print(f"\n{'case':<22} {'checkpoint s':>13} {'in place s':>11} {'ratio':>7}  in-place stages (median s)")
     for name, c in cases.items():
-        stages = {}
-        for r in c["runs"]["inplace"]:
-            for k, v in r["breakdown_s"].items():
-                stages.setdefault(k, []).append(v)
-        line = " ".join(f"{k} {statistics.median(v):.3f}" for k, v in stages.items())
+        line = stage_medians(c["runs"]["inplace"])
         print(f"{name:<22} {c['downtime_median_s']['checkpoint']:>13.2f} {c['downtime_median_s']['inplace']:>11.2f} "
               f"{c['ratio_checkpoint_over_inplace']:>6.1f}x  {line}")
     report = {"benchmark": "inplace", "command": " ".join(["python", *sys.argv]), "cases": cases,

@@ -102,6 +102,8 @@ class Launcher:
     def __post_init__(self):
         self.world = self.recipe.world.nproc * self.topology.nnodes
         self.first_rank = self.topology.node_rank * self.recipe.world.nproc
+        self.hosted = list(range(self.first_rank, self.first_rank + self.recipe.world.nproc))
+        """The ranks this node starts in an attempt: its own, plus a lost node's after a checkpoint restart."""
         self.procs: dict[int, subprocess.Popen] = {}
         self.generation = 0
         self.attempt = 0
@@ -161,13 +163,15 @@ class Launcher:
         return proc
 
     def spawn_all(self) -> None:
-        for rank in range(self.first_rank, self.first_rank + self.recipe.world.nproc):
+        for rank in self.hosted:
             self.spawn(rank)
 
     def start_attempt(self, attempt: int) -> None:
         """Start every rank (and the shadows) of an attempt; attempt 0 is the run's start, later ones restarts."""
         if attempt:
             self._set_attempt(attempt)
+            if self.view is not self and not self.topology.node_rank:  # every node restarts with node 0
+                self.hosted = self.view.announce_restart(attempt)
         self.procs = {}
         self.spawn_all()
         if self.shadows is not None:
@@ -290,8 +294,8 @@ class Launcher:
             self.node_beat = NodeBeat(run_store=self.run_store, node=node)
         else:
             self.node_watch = NodeWatch(run_store=self.run_store, nnodes=self.topology.nnodes)
-        if self.recipe.resilience.mode != "inplace":
-            return
+        if self.recipe.resilience.mode not in ("inplace", "checkpoint"):
+            return  # mode none: the node whose rank failed stops the run everywhere
         if node == 0:
             self.view = Coordinator(launcher=self, run_store=self.run_store, nnodes=self.topology.nnodes,
                                     nproc=self.recipe.world.nproc, watch=self.node_watch)
@@ -403,10 +407,14 @@ class Launcher:
             self._absent = []
         return missing if missing and time.time() - self.t_start > self.recipe.world.timeout_s else []
 
-    def _absent_line(self, nodes: list[int]) -> str:
+    def _nodes_named(self, nodes: list[int]) -> str:
+        """node 1 (ranks 2-3), node 2 (ranks 4-5)"""
         n = self.recipe.world.nproc
-        who = ", ".join(f"node {k} (rank{'s' if n > 1 else ''} {k * n}{f'-{k * n + n - 1}' if n > 1 else ''})"
-                        for k in nodes)
+        return ", ".join(f"node {k} (rank{'s' if n > 1 else ''} {k * n}{f'-{k * n + n - 1}' if n > 1 else ''})"
+                         for k in nodes)
+
+    def _absent_line(self, nodes: list[int]) -> str:
+        who = self._nodes_named(nodes)
         which = str(nodes[0]) if len(nodes) == 1 else "K"
         return (f"error: {who} never joined the rendezvous at {self.address} within world.timeout_s="
                 f"{self.recipe.world.timeout_s:g}s; start `dtk train` there with --nnodes {self.topology.nnodes} "
@@ -423,17 +431,14 @@ class Launcher:
 
     def _stop_for_lost_nodes(self, nodes: list[int]) -> int:
         n = self.recipe.world.nproc
-        who = ", ".join(f"node {k} (rank{'s' if n > 1 else ''} {k * n}{f'-{k * n + n - 1}' if n > 1 else ''})"
-                        for k in nodes)
+        who = self._nodes_named(nodes)
         silent = max(self.node_watch.lost[k] for k in nodes)
         t_detect = time.time()
         records = [describe_failure(self, rank=q, code=None, t_detect=t_detect)
                    for k in nodes for q in range(k * n, k * n + n)]
-        then = ("run the same command again, with a host in its place, to resume from the latest checkpoint"
-                if self.recipe.resilience.mode == "checkpoint" else
-                "resilience.mode=inplace recovers a lost host's ranks on the other hosts")
         self._stop(records, f"error: {who} went silent (its launcher was not heard for {silent:.1f}s: the host is lost "
-                       f"or cut off); the run is stopped; {then}.")
+                            f"or cut off); the run is stopped; resilience.mode=inplace or checkpoint carries on with "
+                            f"its ranks on the other hosts.")
         return 1
 
     def _follow_stop(self, stop: dict) -> int:
@@ -513,11 +518,14 @@ class Launcher:
             # ranks recovering while no death is known: their peers on a lost host broke their collectives
             suspect = self.hangs.recovering() and not self.control.check([f"gen{self.generation}/failure"])
             if self.node_watch is not None and (silent := self.node_watch.silent(suspect=suspect)):
-                if self.view is self:  # not in place: nothing can take the lost ranks
+                if self.view is self:  # resilience.mode=none: nothing takes the lost ranks
                     return self._stop_for_lost_nodes(silent)
                 self.view.fence_lost()  # a node only cut off for a while must not keep its ranks
                 next_remote = 0.0  # their ranks are dead now (Coordinator.dead): recovered below
             if self.reporter is not None:
+                if restart := self.reporter.restart_due():
+                    self._follow_restart(*restart)
+                    continue
                 self.reporter.publish(self.reported_dead)
                 self.reporter.serve(self._replace_for_node0, self.reported_dead)
             elif self.view is not self and time.monotonic() >= next_remote:
@@ -567,9 +575,6 @@ class Launcher:
                 stop = self._absent_line(absent)
         elif verdict := self.storm.verdict(self.failures):
             stop = f"error: {verdict}."
-        elif r.mode == "checkpoint" and self.topology.nnodes > 1:
-            stop = (f"error: {what}; a checkpoint restart across nodes is not built yet, so the run is stopped; run "
-                    "the same command again to resume from the latest checkpoint.")
         if stop is not None:
             return self._stop(records, stop)
         if r.mode == "checkpoint":
@@ -597,6 +602,16 @@ class Launcher:
             for sid in self.shadows.replenish():  # in the background: the run never waits for a shadow
                 log.info("shadow %d started to replace the one promoted", sid)
         return True
+
+    def _follow_restart(self, attempt: int, hosted: list[int]) -> None:
+        """Node k > 0: node 0 restarted the run from a checkpoint: stop this node's ranks, start those it runs now."""
+        self.stop_all(grace_s=0.0)
+        self.reported_dead.clear()
+        self.reporter.attempt = attempt
+        self.hosted = hosted
+        self.start_attempt(attempt)
+        append_event(self.run_dir, {"event": "restart followed", "node": self.topology.node_rank, "attempt": attempt,
+                                    "ranks": hosted})
 
     def _restart(self, records: list[dict], *, t_detect: float, action: str) -> bool:
         restart = restart_from_checkpoint(self, t_detect=t_detect)

@@ -24,6 +24,10 @@ NODE_SUSPECT_S = 1.0
 """...or for this long while a rank is recovering with no rank known dead (its collectives broke: a peer is gone)."""
 
 
+RESTART_KEY = "nodes/restart"
+"""Node 0's latest checkpoint restart: its attempt and which node runs each rank in it."""
+
+
 def _dead_key(node: int) -> str:
     return f"nodes/{node}/dead"
 
@@ -86,20 +90,31 @@ class NodeWatch:
 
 
 class NodeReporter:
-    """A launcher on node k > 0: publishes which of its ranks are dead (a snapshot, so node 0 never sees a death
-    twice once the rank is replaced) and answers node 0's replacement requests in order."""
+    """A launcher on node k > 0: publishes which of its ranks are dead in its attempt (a snapshot, so node 0 never
+    sees a death twice once the rank is replaced), answers node 0's replacement requests in order (in place), and
+    finds out when node 0 restarted the run from a checkpoint (a new attempt, with the ranks this node runs in it)."""
 
     def __init__(self, *, run_store, node: int):
         self.store, self.node = run_store, node
+        self.attempt = 0
         self.next_request = 0
         self._published: str | None = None
 
     def publish(self, dead: dict[int, dict]) -> None:
         """`dead`: rank -> {"code": exit status, "detected_at": time}; only changes go to the store."""
-        text = json.dumps({str(r): v for r, v in sorted(dead.items())})
+        text = json.dumps({"attempt": self.attempt, "ranks": {str(r): v for r, v in sorted(dead.items())}})
         if text != self._published:
             self.store.set(_dead_key(self.node), text)
             self._published = text
+
+    def restart_due(self) -> tuple[int, list[int]] | None:
+        """(attempt, the ranks this node runs in it) when node 0 started a newer attempt than this node's."""
+        if not self.store.check([RESTART_KEY]):
+            return None
+        restart = json.loads(self.store.get(RESTART_KEY))
+        if restart["attempt"] <= self.attempt:
+            return None
+        return restart["attempt"], [int(r) for r, node in restart["placement"].items() if node == self.node]
 
     def serve(self, replace, dead: dict[int, dict]) -> None:
         """Carry out node 0's requests: `replace(rank, generation) -> dict` (the launcher's own); the new snapshot
@@ -116,7 +131,8 @@ class NodeReporter:
 
 class Coordinator:
     """Node 0's view of the whole run for the recovery sequence (dtk.resilience.recovery.RunView): every rank of
-    every node; a rank of node k is replaced by node k's launcher on request."""
+    every node; a rank of node k is replaced by node k's launcher on request (in place), and a checkpoint restart
+    restarts every node's ranks (`announce_restart`)."""
 
     def __init__(self, *, launcher, run_store, nnodes: int, nproc: int, watch: NodeWatch):
         self.launcher, self.store, self.nnodes, self.nproc, self.watch = launcher, run_store, nnodes, nproc, watch
@@ -148,6 +164,17 @@ class Coordinator:
         """The ranks hosted by a lost node (not replaced yet): they died with it."""
         return sorted(r for r, node in self.placement.items() if node in self.watch.lost)
 
+    def hosted(self, node: int) -> list[int]:
+        return sorted(r for r, k in self.placement.items() if k == node)
+
+    def announce_restart(self, attempt: int) -> list[int]:
+        """A checkpoint restart: every node stops its ranks and starts those it runs in `attempt`; a lost node's
+        ranks are run by the surviving ones. Returns the ranks node 0 runs."""
+        for r in self.on_lost_nodes():
+            self.placement[r] = self._host_for(r)
+        self.store.set(RESTART_KEY, json.dumps({"attempt": attempt, "placement": self.placement}))
+        return self.hosted(0)
+
     def fence_lost(self) -> None:
         """Mark every process of a rank on a lost node (by the token in its last beat) before it is replaced: if
         the node was only cut off for a while, such a rank exits at its next beat, and before any plan it reads."""
@@ -166,7 +193,8 @@ class Coordinator:
         for node in range(1, self.nnodes):
             if node not in self.watch.lost and self.store.check([_dead_key(node)]):
                 reported = json.loads(self.store.get(_dead_key(node)))
-                out.update({int(r): v for r, v in reported.items() if self.placement[int(r)] == node})
+                if reported["attempt"] == self.launcher.attempt:  # not the deaths of an attempt restarted since
+                    out.update({int(r): v for r, v in reported["ranks"].items() if self.placement[int(r)] == node})
         return out
 
     def ranks(self) -> list[int]:

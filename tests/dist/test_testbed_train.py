@@ -83,7 +83,8 @@ def test_compare_on_a_path_congested_at_a_step_adaptive_routes_around_it_with_na
     assert changes, events
     first = changes[0]
     assert 4 < first["step"] <= 4 + 3  # within a few steps of the congestion
-    assert [c["link"] for c in first["congested_links"]] == ["0-1"]
+    # the shaped path is the slowest link found (on a loaded machine healthy links may read slow too)
+    assert min(first["congested_links"], key=lambda c: c["bytes_per_s"])["link"] == "0-1"
     order = [int(x) for x in first["after"]["all_reduce"].removeprefix("ring order ").split("-")]
     assert {frozenset((order[k], order[(k + 1) % 4])) for k in range(4)}.isdisjoint({frozenset((0, 1))})
 
@@ -170,16 +171,34 @@ def test_a_host_killed_with_its_launcher_and_shadows_is_rebuilt_on_the_other_hos
     assert losses(run_dir) == losses(reference)
 
 
-@pytest.mark.timeout(200)
-def test_a_host_lost_without_in_place_recovery_is_named_in_one_line_and_its_ranks_recorded(tmp_path):
+@pytest.mark.timeout(240)
+def test_a_host_lost_is_restarted_from_checkpoint_on_the_other_host_or_named_in_one_line(tmp_path):
+    # the checkpoint baseline across hosts: node 0 restarts every rank of every host from the latest checkpoint;
+    # first for a rank of host 1 (host 1 restarts its ranks too), then for host 1 itself (its ranks run on host 0)
     run_dir = tmp_path / "ckpt"
     p, left = run_dtk_on_bed("train", RECIPES / "quickstart.yaml", *TINY, "training.steps=10", f"output.dir={run_dir}",
                              "resilience.mode=checkpoint", "checkpoint.every=2", "--testbed", "2",
-                             "--fault", "kill-host:host=1,step=5", "--no-progress", timeout=170)
-    assert p.returncode == 1 and left == []
-    assert "Traceback" not in p.stderr
+                             "--fault", "kill:rank=3,step=3", "--fault", "kill-host:host=1,step=7", "--no-progress",
+                             timeout=200)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert left == []
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [(f["rank"], f["fault"], f.get("node_lost"), f["recovery"], f["restart_attempt"], f["checkpoint_step"])
+            for f in summary["failures"]] == [(3, "kill", None, "checkpoint restart", 1, 2),
+                                              (2, "kill-host", 1, "checkpoint restart", 2, 6),
+                                              (3, "host lost", 1, "checkpoint restart", 2, 6)]
+    assert [(e["node"], e["attempt"], e["ranks"]) for e in read_jsonl(run_dir / "events.jsonl")
+            if e["event"] == "restart followed"] == [(1, 1, [2, 3])]
+    assert sorted(json.loads((run_dir / "ranks.json").read_text())["ranks"]) == ["0", "1", "2", "3"]
+    assert losses(run_dir) == losses(train(tmp_path / "local", "world.nproc=4", "training.steps=10"))
+
+    # resilience.mode=none: nothing carries on without the host; one line names it, the lost ranks are recorded
+    run_dir = tmp_path / "none"
+    p, left = run_dtk_on_bed("train", RECIPES / "quickstart.yaml", *TINY, "training.steps=10", f"output.dir={run_dir}",
+                             "--testbed", "2", "--fault", "kill-host:host=1,step=5", "--no-progress", timeout=120)
+    assert p.returncode == 1 and left == [] and "Traceback" not in p.stderr
     [line] = [line for line in p.stderr.splitlines() if line.startswith("error:")]
-    assert "node 1 (ranks 2-3) went silent" in line and "resume from the latest checkpoint" in line
+    assert "node 1 (ranks 2-3) went silent" in line and "resilience.mode=inplace or checkpoint" in line
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed"
     assert [(f["rank"], f["node_lost"], f["detected_by"]) for f in summary["failures"]] == [
