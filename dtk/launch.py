@@ -421,6 +421,12 @@ class Launcher:
                 f"--node-rank {which} --rdzv-endpoint {self.address}, and check that it can reach this host; the run "
                 f"is stopped.")
 
+    def _node_active(self, node: int) -> bool:
+        """Some rank that `node` runs has not finished (a node whose ranks are all done is not watched)."""
+        n = self.recipe.world.nproc
+        ranks = self.view.hosted(node) if self.view is not self else range(node * n, node * n + n)
+        return any(not self._finished(r) for r in ranks)
+
     def _fence(self, said: str) -> int:
         """Node 0 took this node for lost (it did not hear it for a while) and gives its ranks to other nodes: stop
         them, so that no rank runs twice, and end without stopping the run."""
@@ -517,7 +523,8 @@ class Launcher:
                 return self._fence(said)
             # ranks recovering while no death is known: their peers on a lost host broke their collectives
             suspect = self.hangs.recovering() and not self.control.check([f"gen{self.generation}/failure"])
-            if self.node_watch is not None and (silent := self.node_watch.silent(suspect=suspect)):
+            if self.node_watch is not None and (silent := self.node_watch.silent(suspect=suspect,
+                                                                                 active=self._node_active)):
                 if self.view is self:  # resilience.mode=none: nothing takes the lost ranks
                     return self._stop_for_lost_nodes(silent)
                 self.view.fence_lost()  # a node only cut off for a while must not keep its ranks
