@@ -421,11 +421,19 @@ class Launcher:
                 f"--node-rank {which} --rdzv-endpoint {self.address}, and check that it can reach this host; the run "
                 f"is stopped.")
 
+    def _ranks_of(self, node: int) -> list[int]:
+        """The ranks `node` runs now: its own, or (in place, checkpoint) what node 0's placement says."""
+        n = self.recipe.world.nproc
+        return self.view.hosted(node) if self.view is not self else list(range(node * n, node * n + n))
+
     def _node_active(self, node: int) -> bool:
         """Some rank that `node` runs has not finished (a node whose ranks are all done is not watched)."""
-        n = self.recipe.world.nproc
-        ranks = self.view.hosted(node) if self.view is not self else range(node * n, node * n + n)
-        return any(not self._finished(r) for r in ranks)
+        return any(not self._finished(r) for r in self._ranks_of(node))
+
+    def _peer_gone_unknown(self) -> bool:
+        """Ranks recover while no failure is announced: their collectives to a peer broke, and no death explains it
+        (a lost host's ranks cannot be reported dead)."""
+        return self.hangs.recovering() and not self.control.check([f"gen{self.generation}/failure"])
 
     def _fence(self, said: str) -> int:
         """Node 0 took this node for lost (it did not hear it for a while) and gives its ranks to other nodes: stop
@@ -436,12 +444,10 @@ class Launcher:
         return 1
 
     def _stop_for_lost_nodes(self, nodes: list[int]) -> int:
-        n = self.recipe.world.nproc
         who = self._nodes_named(nodes)
         silent = max(self.node_watch.lost[k] for k in nodes)
         t_detect = time.time()
-        records = [describe_failure(self, rank=q, code=None, t_detect=t_detect)
-                   for k in nodes for q in range(k * n, k * n + n)]
+        records = [describe_failure(self, rank=q, code=None, t_detect=t_detect) for k in nodes for q in self._ranks_of(k)]
         self._stop(records, f"error: {who} went silent (its launcher was not heard for {silent:.1f}s: the host is lost "
                             f"or cut off); the run is stopped; resilience.mode=inplace or checkpoint carries on with "
                             f"its ranks on the other hosts.")
@@ -521,9 +527,7 @@ class Launcher:
                                 signal_name(code))
             if self.node_beat is not None and (said := self.node_beat.beat()):
                 return self._fence(said)
-            # ranks recovering while no death is known: their peers on a lost host broke their collectives
-            suspect = self.hangs.recovering() and not self.control.check([f"gen{self.generation}/failure"])
-            if self.node_watch is not None and (silent := self.node_watch.silent(suspect=suspect,
+            if self.node_watch is not None and (silent := self.node_watch.silent(suspect=self._peer_gone_unknown,
                                                                                  active=self._node_active)):
                 if self.view is self:  # resilience.mode=none: nothing takes the lost ranks
                     return self._stop_for_lost_nodes(silent)

@@ -65,11 +65,12 @@ class NodeWatch:
         """node -> how long it had been silent when it was declared lost"""
         self._next = 0.0
 
-    def silent(self, *, suspect: bool = False, active=lambda node: True) -> list[int]:
+    def silent(self, *, suspect=lambda: False, active=lambda node: True) -> list[int]:
         """Nodes newly found silent (each once); they are marked lost in the store: a node that was only slow
-        reads that and stops its ranks (never two processes for one rank). `suspect`: a peer is known to be gone
-        (a rank's collectives broke and no death explains it), so a shorter silence is enough. `active(node)`:
-        whether the node still has ranks to run (one whose ranks are all done may be writing its summary)."""
+        reads that and stops its ranks (never two processes for one rank). `suspect()`: a peer is known to be gone
+        (a rank's collectives broke and no death explains it), so a shorter silence is enough; asked only of a node
+        silent that long. `active(node)`: whether the node still has ranks to run (one whose ranks are all done may be
+        writing its summary)."""
         now = time.monotonic()
         if now < self._next:
             return []
@@ -82,7 +83,7 @@ class NodeWatch:
             count, since = self.seen.get(node, (-1, now))
             if beats != count:
                 self.seen[node] = (beats, now)
-            elif now - since > (NODE_SUSPECT_S if suspect else NODE_SILENT_S) and active(node):
+            elif (now - since > NODE_SILENT_S or (now - since > NODE_SUSPECT_S and suspect())) and active(node):
                 self.lost[node] = now - since
                 self.store.set(_lost_key(node), f"node 0 heard nothing from this node's launcher for "
                                                 f"{now - since:.1f}s and took it for lost")
