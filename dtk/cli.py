@@ -223,7 +223,8 @@ def inject_failure(
     args: Annotated[Optional[list[str]], typer.Argument(
         help="RECIPE [key=value ...] to start a run with faults; with --run: the fault specs.")] = None,
     fault: Annotated[Optional[list[str]], typer.Option(
-        help="KIND:rank=R,step=S[,phase=forward|backward|optimizer][,factor=F]; repeatable. `dtk faults` lists kinds.")] = None,
+        help="KIND:rank=R,step=S[,phase=forward|backward|optimizer|commit|recovery][,factor=F][,seconds=T]; "
+             "repeatable. `dtk faults` lists kinds.")] = None,
     run: Annotated[Optional[str], typer.Option(help="Aim the faults at this run folder's live run instead.")] = None,
     mtbf: Annotated[Optional[str], typer.Option(help="Also inject faults at random, this mean time apart (e.g. 30s).")] = None,
     mtbf_fault: Annotated[str, typer.Option(help="The kind of the random faults.")] = "kill",

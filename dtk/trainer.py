@@ -126,9 +126,13 @@ class Trainer:
         if self.parity is not None and not self.parity.wait_current():
             self.engine.discard_step()  # a peer failed while the last step's parity was built: do not update
             return None
+        cut = Seam.cut
         self.engine.optimizer_step()
-        if Seam.failure is not None:
-            return None
+        self.injector.at(step, "commit")
+        if Seam.cut != cut:
+            return None  # a collective of the update was cut short: this rank's state is torn, the repair replaces it
+        # The update is whole here (DDP's and FSDP's need no collective), even if a peer's failure was seen since
+        # the loss was gathered: the step counts, and run() recovers before the next one.
         self._remember_state(step)
         comm = Seam.stats.take()
         seconds = time.perf_counter() - t0
@@ -156,7 +160,13 @@ class Trainer:
             self.parity.protect(step)
         while step < r.training.steps:
             record = self.train_step(step)
-            if record is None:
+            if record is not None:
+                step += 1
+                self.last_record = record
+                self.control.step_seconds = record["step_seconds"]
+                if self.writer:
+                    self.writer.write(record)
+            if record is None or Seam.failure is not None:  # a failure seen after a whole update: no more collectives
                 self.control.phase = "recovery"
                 step = inplace.recover_survivor(engine=self.engine, control=self.control, group=self.group,
                                                 committed_step=step, device=self.device,
@@ -167,13 +177,8 @@ class Trainer:
                 if self.writer:
                     self.writer.truncate_from(step)  # a rollback to an older protected step redoes the steps after it
                 continue
-            step += 1
-            self.last_record = record
             if self.parity is not None:
                 self.parity.protect(step)  # built while the next step's forward and backward run
-            self.control.step_seconds = record["step_seconds"]
-            if self.writer:
-                self.writer.write(record)
             for event in comm_boundary(step):  # comm.mode adaptive: the planner may change the plan here
                 if self.writer:
                     self.writer.event(event)

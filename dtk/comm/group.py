@@ -95,6 +95,9 @@ class Seam:
     """recipe comm.mode: "adaptive" gives each DtkGroup a router (dtk.comm.dispatch) that follows the planner."""
     joining = False
     """True in a process that is built before it joins a running job: its groups stay local until reconfigured."""
+    cut = 0
+    """Collectives completed without their result because a peer failed (skipped, or released while outstanding).
+    A step whose update issued none kept it whole on this rank, even if the failure was seen before it was counted."""
     _counting = threading.local()
 
     @classmethod
@@ -183,6 +186,12 @@ class SeamWork(dist._Work):
             self._failed(e)
         self._finish()
 
+    def _cut(self) -> None:
+        """Complete it without its result: its generation failed."""
+        if not self._done:
+            Seam.cut += 1
+        self._finish()
+
     def _finish(self) -> None:
         with _finish_lock:
             if self._done:
@@ -202,7 +211,7 @@ class SeamWork(dist._Work):
             self._group.waiter.watch(self)
             while not self._done:
                 if Seam.failed_generation >= self._generation:
-                    self._finish()
+                    self._cut()
                     break
                 time.sleep(WAIT_SLICE.total_seconds() / 10)
             return True
@@ -220,7 +229,7 @@ class SeamWork(dist._Work):
                     if Seam.failed_generation >= self._generation:
                         # its generation failed: a release may have run between this op's issue and its
                         # registration as outstanding, and releases come once per generation
-                        self._finish()
+                        self._cut()
                     continue
                 self._failed(e)
             except Exception as e:  # noqa: BLE001 -- whatever the inner backend raises, the strategy must not see it
@@ -385,7 +394,7 @@ class DtkGroup(dist.ProcessGroup):
 
     def release_outstanding(self) -> None:
         for w in list(self.outstanding):
-            w._finish()
+            w._cut()
         if self._inner_cuda is not None:
             self._inner_cuda.abort()
 
@@ -403,6 +412,8 @@ class DtkGroup(dist.ProcessGroup):
         if inner is None or Seam.failed_generation == Seam.generation:
             # Joining (local until reconfigured) or a peer already failed this step: complete at once, as if every
             # peer held what this rank holds. The values are meaningless and are replaced by the state repair.
+            if inner is not None:
+                Seam.cut += 1
             if local is not None:
                 with torch.no_grad():
                     local()

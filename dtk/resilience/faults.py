@@ -27,14 +27,17 @@ FAULTS: dict[str, str] = {
     "exit": "the rank exits with code 3",
     "hang": "the rank stays alive but stops making progress (blocked before its next collective)",
     "slow": "straggler: from that step on the rank's steps take `factor` times longer (default 3)",
+    "stall": "the rank freezes for `seconds` (default 1) and goes on, as in a long pause of its process; keep it "
+             "under the heartbeat timeout, or it is taken for hung",
     "corrupt": "flip one bit in one tensor of the rank's local state (caught by the state checksum)",
     "kill-host": "more than one host (--testbed H, --nnodes N): every process dtk runs on a host dies at once (its "
                  "launcher, ranks and shadows; as when the machine goes down): kill-host:host=1,step=5",
     "congest": "test bed only (--testbed H): from step S shape a host's link (host=I) or one path (pair=I-J) to "
                "rate=R: congest:pair=0-1,rate=200mbit,step=5",
 }
-PHASES = ("forward", "backward", "optimizer", "recovery")
-"""recovery: while the rank takes part in an in-place recovery, after the regroup and before the state is sent."""
+PHASES = ("forward", "backward", "optimizer", "commit", "recovery")
+"""optimizer: before the rank's update; commit: after its update, before it counts the step; recovery: while the
+rank takes part in an in-place recovery, after the regroup and before the state is sent."""
 CORRUPT_EXIT = 75
 """Exit code of a rank that found its local state corrupted."""
 CONGEST_WAIT_S = 120.0
@@ -49,12 +52,14 @@ class Fault:
     """None: at the rank's next step."""
     phase: str = "forward"
     factor: float = 3.0
+    seconds: float = 1.0
     id: str = ""
 
     def spec(self) -> str:
         parts = [f"rank={self.rank}"] + ([f"step={self.step}"] if self.step is not None else [])
         parts += [f"phase={self.phase}"] if self.phase != "forward" else []
         parts += [f"factor={self.factor:g}"] if self.kind == "slow" else []
+        parts += [f"seconds={self.seconds:g}"] if self.kind == "stall" else []
         return f"{self.kind}:{','.join(parts)}"
 
 
@@ -75,7 +80,7 @@ def parse(spec: str, *, world: int, fault_id: str, flag: str = "--fault", hosts:
                            "(dtk train, dtk compare; dtk bench comm --testbed N --congest ...)")
         return congestion
     fields: dict[str, str] = {}
-    keys = ("host", "rank", "step") if kind == "kill-host" else ("rank", "step", "phase", "factor")
+    keys = ("host", "rank", "step") if kind == "kill-host" else ("rank", "step", "phase", "factor", "seconds")
     for item in filter(None, rest.split(",")):
         key, sep, value = item.partition("=")
         if not sep or key not in keys:
@@ -87,8 +92,9 @@ def parse(spec: str, *, world: int, fault_id: str, flag: str = "--fault", hosts:
         rank = int(fields.get("rank", "-1"))
         step = int(fields["step"]) if "step" in fields else None
         factor = float(fields.get("factor", "3"))
+        seconds = float(fields.get("seconds", "1"))
     except ValueError:
-        raise DtkError(f"{flag}: got {spec!r}; rank and step are whole numbers, factor a number") from None
+        raise DtkError(f"{flag}: got {spec!r}; rank and step are whole numbers, factor and seconds numbers") from None
     if not 0 <= rank < world:
         raise DtkError(f"{flag}: got rank={fields.get('rank')} in {spec!r}; accepted: rank=0..{world - 1}")
     if step is not None and step < 0:
@@ -98,7 +104,9 @@ def parse(spec: str, *, world: int, fault_id: str, flag: str = "--fault", hosts:
         raise DtkError(f"{flag}: got phase={phase!r} in {spec!r}; accepted: {', '.join(PHASES)}")
     if factor < 1:
         raise DtkError(f"{flag}: got factor={factor:g} in {spec!r}; accepted: factor >= 1")
-    return Fault(kind=kind, rank=rank, step=step, phase=phase, factor=factor, id=fault_id)
+    if not 0 < seconds <= 3600:
+        raise DtkError(f"{flag}: got seconds={seconds:g} in {spec!r}; accepted: 0 < seconds <= 3600")
+    return Fault(kind=kind, rank=rank, step=step, phase=phase, factor=factor, seconds=seconds, id=fault_id)
 
 
 def _host_rank(spec: str, fields: dict[str, str], *, world: int, nodes: int | None, flag: str) -> str:
@@ -216,6 +224,8 @@ class Injector:
             threading.Event().wait()
         elif f.kind == "slow":
             self.slow_factor = f.factor
+        elif f.kind == "stall":
+            time.sleep(f.seconds)
         elif f.kind == "corrupt":
             index, bit = flip_bit(self.engine.local_state())
             log.warning("flipped bit %d of tensor %d of the local state", bit, index)

@@ -115,6 +115,7 @@ def test_fault_aimed_at_a_running_train(tmp_path):
     (["--fault", "kill:rank=9,step=2"], "error: --fault: got rank=9"),
     (["--fault", "kill:rank=1,step=x"], "error: --fault: got 'kill:rank=1,step=x'"),
     (["--fault", "kill:rank=1,phase=sideways"], "error: --fault: got phase='sideways'"),
+    (["--fault", "stall:rank=1,seconds=0"], "error: --fault: got seconds=0"),
     (["--mtbf", "soon"], "error: --mtbf: got 'soon'"),
     ([], "error: --fault: none given"),
 ])
