@@ -206,13 +206,14 @@ def test_a_host_lost_is_restarted_from_checkpoint_on_the_other_host_or_named_in_
 
 
 @pytest.mark.timeout(240)
-def test_a_host_cut_off_for_a_while_is_fenced_and_its_ranks_recovered_on_the_other_host(tmp_path):
-    # host 1's launcher freezes (SIGSTOP) for 3.6s while its ranks go on training: node 0 stops hearing it, takes
-    # the host for lost and gives ranks 2 and 3 to its own shadows. The old rank processes read that they were
-    # fenced and exit before any plan; the launcher, thawed, stops without stopping the run.
+def test_a_host_cut_off_for_a_while_is_fenced_and_its_rank_recovered_on_another_host(tmp_path):
+    # 3 hosts x 1 rank (an odd world). Host 1's launcher freezes (SIGSTOP) for 3.6s while its rank goes on training:
+    # node 0 stops hearing it, takes the host for lost and gives rank 1 to a shadow on a surviving host. The old
+    # rank process reads that it was fenced and exits before any plan; the launcher, thawed, stops without
+    # stopping the run. The survivors see the failure at any point of a step, here while the old rank still trains.
     run_dir = tmp_path / "cut"
     driver = start_dtk("train", RECIPES / "quickstart.yaml", *TINY, "training.steps=300", f"output.dir={run_dir}",
-                       "resilience.mode=inplace", "--testbed", "2", "--no-progress")
+                       "world.nproc=1", "resilience.mode=inplace", "--testbed", "3", "--no-progress")
     deadline = time.monotonic() + 120
     while not ((run_dir / "ranks-node1.json").exists() and (run_dir / "metrics.jsonl").exists()
                and len(losses(run_dir)) >= 3):
@@ -226,11 +227,10 @@ def test_a_host_cut_off_for_a_while_is_fenced_and_its_ranks_recovered_on_the_oth
     assert driver.returncode == 0, err[-3000:]
     assert bed_left_behind(driver.pid) == []
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert [(f["rank"], f["node_lost"], f["fault"]) for f in summary["failures"]] == [(2, 1, "host lost"),
-                                                                                       (3, 1, "host lost")]
-    assert all(r["node"] == 0 for f in summary["failures"] for r in f["replacements"])
+    assert [(f["rank"], f["node_lost"], f["fault"]) for f in summary["failures"]] == [(1, 1, "host lost")]
+    assert all(r["node"] in (0, 2) for f in summary["failures"] for r in f["replacements"])
     assert "took it for lost" in (run_dir / "logs" / "launcher1.log").read_text()
     old = [p for p in node1["ranks"].values()]
     assert not [p for p in old if Path(f"/proc/{p}").exists()]
-    reference = train(tmp_path / "local", "world.nproc=4", "training.steps=300")
+    reference = train(tmp_path / "local", "world.nproc=3", "training.steps=300")
     assert losses(run_dir) == losses(reference)  # no step was trained by two processes of one rank
