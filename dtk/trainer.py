@@ -150,6 +150,18 @@ class Trainer:
             **(self.engine.metrics() if hasattr(self.engine, "metrics") else {}),  # e.g. gcpsl's accuracy
         }
 
+    def resume_records(self, step: int) -> None:
+        """Rank 0, about to run `step`: drop the records of the steps it will redo, and write the plan's record of the
+        step before when it has none. A collective does not end at once on every rank when a peer dies in it: the
+        others may count a step whose loss gather failed here, or the rank this one replaces was lost before it wrote
+        its last step."""
+        if not self.writer:
+            return
+        self.writer.truncate_from(step)
+        record = (self.control.last_plan or {}).get("record")
+        if record and record["step"] == step - 1 and not self.writer.has(record["step"]):
+            self.writer.write(record)
+
     # -- the loop --
     def run(self, *, start_step: int) -> None:
         r = self.recipe
@@ -174,8 +186,7 @@ class Trainer:
                                                 parity=self.parity, last_record=self.last_record)
                 self.control.phase = "train"
                 self._sums = None  # a rollback changed the state on purpose: the checksum starts again
-                if self.writer:
-                    self.writer.truncate_from(step)  # a rollback to an older protected step redoes the steps after it
+                self.resume_records(step)  # a rollback to an older protected step redoes the steps after it
                 continue
             if self.parity is not None:
                 self.parity.protect(step)  # built while the next step's forward and backward run

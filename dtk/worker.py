@@ -178,11 +178,7 @@ def run_rank() -> None:
         logging.getLogger(__name__).info("resumed from %s at step %d", found[1], start)
         x, y = dataset.batch(step=start, rank=rank, micro=0, size=recipe.training.micro_batch)
         engine.match_running_layout(x.to(device), y.to(device))  # every rank restarts: collectives match
-    if trainer.writer:
-        trainer.writer.truncate_from(start)  # records past the start are from a run that did not keep them
-        record = (control.last_plan or {}).get("record") if join is not None else None
-        if record and record["step"] == start - 1 and not trainer.writer.has(record["step"]):
-            trainer.writer.write(record)  # the rank this one replaces was lost before it wrote its last step
+    trainer.resume_records(start)  # records past the start are from a run that did not keep them
     timeline.update(loaded_at=time.time(), start_step=start)
     control.mark("started", timeline)
     trainer.run(start_step=start)

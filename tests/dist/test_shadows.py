@@ -106,6 +106,22 @@ def test_no_survivor_falls_back_on_the_checkpoint_or_stops_with_one_line(tmp_pat
     assert "in-place recovery failed" in line and "checkpoint.every" in line
 
 
+@pytest.mark.timeout(300)
+def test_an_update_finished_whole_before_a_peer_failure_was_seen_is_kept(tmp_path, reference):
+    # Rank 2 dies after the step's losses were gathered, just before its update. Ranks 0 and 1 finish their updates
+    # (DDP's needs no collective) and only then stall long enough to see the failure. Their step is whole: they count
+    # it, rank 0 records it, and rank 2 is repaired to it. Dropping it instead would redo step 5 on state that
+    # already holds it (both survivors would say "step 5 not committed").
+    run_dir = tmp_path / "stalled"
+    p, summary = inject(run_dir, "--fault", "kill:rank=2,step=5,phase=optimizer",
+                        "--fault", "stall:rank=0,step=5,phase=commit,seconds=1.5",
+                        "--fault", "stall:rank=1,step=5,phase=commit,seconds=1.5")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert losses(run_dir) == reference
+    [failure] = summary["failures"]
+    assert (failure["rank"], failure["step"], failure["steps_lost"]) == (2, 6, 0)
+
+
 @pytest.mark.timeout(600)
 def test_a_storm_of_random_failures_in_place_keeps_the_losses(tmp_path):
     # a rank lost with every other holder of its state in one recovery falls back on the checkpoint

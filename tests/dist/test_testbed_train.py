@@ -30,6 +30,16 @@ def bed_left_behind(driver_pid: int) -> list[str]:
     return [ns for ns in namespaces() if ns.startswith(f"dtkp{driver_pid}")]
 
 
+_LOCAL: dict[tuple[str, ...], list[float]] = {}
+
+
+def local_losses(tmp_path: Path, *overrides: str) -> list[float]:
+    """The losses of the same run on one host (run once per set of overrides in this module)."""
+    if overrides not in _LOCAL:
+        _LOCAL[overrides] = losses(train(tmp_path / "local", *overrides))
+    return _LOCAL[overrides]
+
+
 def run_dtk_on_bed(*args: str, timeout: float) -> tuple[subprocess.CompletedProcess, list[str]]:
     p = start_dtk(*args)
     out, err = p.communicate(timeout=timeout)
@@ -138,8 +148,7 @@ def test_ranks_lost_on_another_host_killed_or_hung_are_recovered_in_place_by_nod
         assert how["node"] == 1 and how["replacement"] == "shadow" and how["shadow"] >= 1000
         assert f["steps_lost"] == 0 and f["survivor_engines_kept"] and 0 in f["survivors"] and 1 in f["survivors"]
 
-    reference = train(tmp_path / "local", "world.nproc=4", "training.steps=10")
-    assert summary["losses"] == losses(reference)  # the run after recovery is the run without the failures
+    assert summary["losses"] == local_losses(tmp_path, "world.nproc=4", "training.steps=10")  # the run after recovery is the run without the failures
 
 
 @pytest.mark.timeout(300)
@@ -190,7 +199,7 @@ def test_a_host_lost_is_restarted_from_checkpoint_on_the_other_host_or_named_in_
     assert [(e["node"], e["attempt"], e["ranks"]) for e in read_jsonl(run_dir / "events.jsonl")
             if e["event"] == "restart followed"] == [(1, 1, [2, 3])]
     assert sorted(json.loads((run_dir / "ranks.json").read_text())["ranks"]) == ["0", "1", "2", "3"]
-    assert losses(run_dir) == losses(train(tmp_path / "local", "world.nproc=4", "training.steps=10"))
+    assert losses(run_dir) == local_losses(tmp_path, "world.nproc=4", "training.steps=10")
 
     # resilience.mode=none: nothing carries on without the host; one line names it, the lost ranks are recorded
     run_dir = tmp_path / "none"
