@@ -44,3 +44,17 @@ def train(run_dir: Path, *overrides: str, recipe: Path = RECIPES / "quickstart.y
         logs = "\n".join(f"--- {f.name}\n{f.read_text()[-3000:]}" for f in sorted((Path(run_dir) / "logs").glob("*.log")))
         pytest.fail(f"dtk train exited {p.returncode}\nstdout:{p.stdout}\nstderr:{p.stderr[-3000:]}\n{logs}")
     return Path(run_dir)
+
+
+@pytest.fixture(scope="session")
+def reference_losses(tmp_path_factory):
+    """`reference_losses(*overrides)`: the losses of `train(*overrides)`, a run without faults, made once per set of
+    overrides in the session and shared by every test that compares against it."""
+    root = tmp_path_factory.mktemp("references")
+    cache: dict[tuple[str, ...], list[float]] = {}
+
+    def get(*overrides: str) -> list[float]:
+        if overrides not in cache:
+            cache[overrides] = losses(train(root / str(len(cache)), *overrides))
+        return cache[overrides]
+    return get

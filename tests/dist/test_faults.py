@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RECIPES, ROOT, TINY, dtk_env, losses, read_jsonl, run_dtk, train
+from conftest import RECIPES, ROOT, TINY, dtk_env, losses, read_jsonl, run_dtk
 
 pytestmark = [pytest.mark.dist]
 STEPS, EVERY, AT = 16, 5, 12
@@ -28,18 +28,10 @@ def inject(run_dir: Path, *args: str, timeout: float = 300) -> subprocess.Comple
                    "--no-progress", timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """One run without faults per strategy and rank count (checkpointing too: it must not change the losses)."""
-    root = tmp_path_factory.mktemp("ref")
-    cache = {}
-
-    def reference(strategy: str, nproc: int) -> list[float]:
-        if (strategy, nproc) not in cache:
-            run = train(root / f"{strategy}-{nproc}", *BASE, f"strategy.name={strategy}", f"world.nproc={nproc}")
-            cache[strategy, nproc] = losses(run)
-        return cache[strategy, nproc]
-    return reference
+@pytest.fixture
+def references(reference_losses):
+    """The run without faults of a strategy and rank count (checkpointing too: it must not change the losses)."""
+    return lambda strategy, nproc: reference_losses(*BASE, f"strategy.name={strategy}", f"world.nproc={nproc}")
 
 
 # 3 ranks: a sum of three numbers depends on its order, so a restart that reduces otherwise shows (2 ranks hide it)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from dtk.testbed.net import namespaces, unavailable_reason
-from tests.conftest import RECIPES, ROOT, TINY, dtk_env, losses, read_jsonl, train
+from tests.conftest import RECIPES, ROOT, TINY, dtk_env, losses, read_jsonl
 
 pytestmark = [pytest.mark.dist,
               pytest.mark.skipif(unavailable_reason() is not None, reason=f"test bed: {unavailable_reason()}")]
@@ -30,16 +30,6 @@ def bed_left_behind(driver_pid: int) -> list[str]:
     return [ns for ns in namespaces() if ns.startswith(f"dtkp{driver_pid}")]
 
 
-_LOCAL: dict[tuple[str, ...], list[float]] = {}
-
-
-def local_losses(tmp_path: Path, *overrides: str) -> list[float]:
-    """The losses of the same run on one host (run once per set of overrides in this module)."""
-    if overrides not in _LOCAL:
-        _LOCAL[overrides] = losses(train(tmp_path / "local", *overrides))
-    return _LOCAL[overrides]
-
-
 def run_dtk_on_bed(*args: str, timeout: float) -> tuple[subprocess.CompletedProcess, list[str]]:
     p = start_dtk(*args)
     out, err = p.communicate(timeout=timeout)
@@ -47,7 +37,7 @@ def run_dtk_on_bed(*args: str, timeout: float) -> tuple[subprocess.CompletedProc
 
 
 @pytest.mark.timeout(200)
-def test_two_hosts_of_two_ranks_train_exactly_as_one_host_of_four(tmp_path):
+def test_two_hosts_of_two_ranks_train_exactly_as_one_host_of_four(tmp_path, reference_losses):
     run_dir = tmp_path / "bed"
     p, left = run_dtk_on_bed("train", RECIPES / "quickstart.yaml", *TINY, "training.steps=6", f"output.dir={run_dir}",
                              "--testbed", "2", "--no-progress", timeout=170)
@@ -64,8 +54,8 @@ def test_two_hosts_of_two_ranks_train_exactly_as_one_host_of_four(tmp_path):
     [up] = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "test bed up"]
     assert up["hosts"] == 2 and up["ranks_per_host"] == 2
 
-    local = train(tmp_path / "local", "world.nproc=4", "training.steps=6")
-    assert summary["losses"] == losses(local)  # same ranks, same data, same sums: bit for bit
+    # same ranks, same data, same sums: bit for bit
+    assert summary["losses"] == reference_losses("world.nproc=4", "training.steps=6")
 
 
 @pytest.mark.timeout(300)
@@ -130,7 +120,7 @@ def test_the_bed_is_torn_down_when_a_rank_on_another_host_fails_and_on_ctrl_c(tm
 
 
 @pytest.mark.timeout(240)
-def test_ranks_lost_on_another_host_killed_or_hung_are_recovered_in_place_by_node_0(tmp_path):
+def test_ranks_lost_on_another_host_killed_or_hung_are_recovered_in_place_by_node_0(tmp_path, reference_losses):
     run_dir = tmp_path / "inplace"
     p, left = run_dtk_on_bed("train", RECIPES / "quickstart.yaml", *TINY, "training.steps=10", f"output.dir={run_dir}",
                              "resilience.mode=inplace", "--testbed", "2", "--fault", "kill:rank=3,step=4",
@@ -148,11 +138,13 @@ def test_ranks_lost_on_another_host_killed_or_hung_are_recovered_in_place_by_nod
         assert how["node"] == 1 and how["replacement"] == "shadow" and how["shadow"] >= 1000
         assert f["steps_lost"] == 0 and f["survivor_engines_kept"] and 0 in f["survivors"] and 1 in f["survivors"]
 
-    assert summary["losses"] == local_losses(tmp_path, "world.nproc=4", "training.steps=10")  # the run after recovery is the run without the failures
+    # the run after recovery is the run without the failures
+    assert summary["losses"] == reference_losses("world.nproc=4", "training.steps=10")
 
 
 @pytest.mark.timeout(300)
-def test_a_host_killed_with_its_launcher_and_shadows_is_rebuilt_on_the_other_host_from_tier_two(tmp_path):
+def test_a_host_killed_with_its_launcher_and_shadows_is_rebuilt_on_the_other_host_from_tier_two(tmp_path,
+                                                                                                 reference_losses):
     # zero2, parity groups of one host each, one Reed-Solomon shard across the two hosts; at step 5 host 1 goes
     # down: its launcher, both ranks and its shadows are SIGKILLed at once. Node 0 stops hearing host 1, promotes
     # its own shadows to ranks 2 and 3, and their shards come back from host 0's tier 2
@@ -176,12 +168,11 @@ def test_a_host_killed_with_its_launcher_and_shadows_is_rebuilt_on_the_other_hos
         assert f["fault_time"] == by_rank[2]["fault_time"]  # both died when the host went down
     pids = json.loads((run_dir / "ranks.json").read_text())["ranks"]
     assert sorted(pids) == ["0", "1", "2", "3"]  # host 0 ran all four ranks after the loss
-    reference = train(tmp_path / "local", "world.nproc=4", *sharded)
-    assert losses(run_dir) == losses(reference)
+    assert losses(run_dir) == reference_losses("world.nproc=4", *sharded)
 
 
 @pytest.mark.timeout(240)
-def test_a_host_lost_is_restarted_from_checkpoint_on_the_other_host_or_named_in_one_line(tmp_path):
+def test_a_host_lost_is_restarted_from_checkpoint_on_the_other_host_or_named_in_one_line(tmp_path, reference_losses):
     # the checkpoint baseline across hosts: node 0 restarts every rank of every host from the latest checkpoint;
     # first for a rank of host 1 (host 1 restarts its ranks too), then for host 1 itself (its ranks run on host 0)
     run_dir = tmp_path / "ckpt"
@@ -199,7 +190,7 @@ def test_a_host_lost_is_restarted_from_checkpoint_on_the_other_host_or_named_in_
     assert [(e["node"], e["attempt"], e["ranks"]) for e in read_jsonl(run_dir / "events.jsonl")
             if e["event"] == "restart followed"] == [(1, 1, [2, 3])]
     assert sorted(json.loads((run_dir / "ranks.json").read_text())["ranks"]) == ["0", "1", "2", "3"]
-    assert losses(run_dir) == local_losses(tmp_path, "world.nproc=4", "training.steps=10")
+    assert losses(run_dir) == reference_losses("world.nproc=4", "training.steps=10")
 
     # resilience.mode=none: nothing carries on without the host; one line names it, the lost ranks are recorded
     run_dir = tmp_path / "none"
@@ -215,7 +206,7 @@ def test_a_host_lost_is_restarted_from_checkpoint_on_the_other_host_or_named_in_
 
 
 @pytest.mark.timeout(240)
-def test_a_host_cut_off_for_a_while_is_fenced_and_its_rank_recovered_on_another_host(tmp_path):
+def test_a_host_cut_off_for_a_while_is_fenced_and_its_rank_recovered_on_another_host(tmp_path, reference_losses):
     # 3 hosts x 1 rank (an odd world). Host 1's launcher freezes (SIGSTOP) for 3.6s while its rank goes on training:
     # node 0 stops hearing it, takes the host for lost and gives rank 1 to a shadow on a surviving host. The old
     # rank process reads that it was fenced and exits before any plan; the launcher, thawed, stops without
@@ -241,5 +232,5 @@ def test_a_host_cut_off_for_a_while_is_fenced_and_its_rank_recovered_on_another_
     assert "took it for lost" in (run_dir / "logs" / "launcher1.log").read_text()
     old = [p for p in node1["ranks"].values()]
     assert not [p for p in old if Path(f"/proc/{p}").exists()]
-    reference = train(tmp_path / "local", "world.nproc=3", "training.steps=300")
-    assert losses(run_dir) == losses(reference)  # no step was trained by two processes of one rank
+    # no step was trained by two processes of one rank
+    assert losses(run_dir) == reference_losses("world.nproc=3", "training.steps=300")
