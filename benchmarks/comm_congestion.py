@@ -12,7 +12,7 @@ import math
 import statistics
 from pathlib import Path
 
-from dtk.comm.bench import parse_size, run_modes
+from dtk.bench import parse_size, run_modes
 
 
 def main() -> None:

@@ -131,7 +131,7 @@ def _exchange_rank(rank, nproc, port, queue, state_mb, group_size, tier2, reps, 
 
 
 def exchange_rows(*, nproc: int, group_size: int, tier2: int, state_mb: float, reps: int) -> dict:
-    from dtk.comm.bench import spawn_ranks
+    from dtk.bench import spawn_ranks
 
     with tempfile.TemporaryDirectory(prefix="dtk-parity-") as tmp:
         ranks = spawn_ranks(_exchange_rank, nproc=nproc, args=(state_mb, group_size, tier2, reps, tmp),

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from overhead import NPROC, RESULTS, alternate, compare, print_table, run_plain
 
-from dtk.comm.bench import human_size, parse_size, run_sweep
+from dtk.bench import human_size, parse_size, run_sweep
 
 
 def main() -> None:

@@ -336,7 +336,7 @@ def bench_comm(
 ) -> None:
     """nccl-tests-like sweep: time, algbw and busbw per size, native backend vs dtk's seam (or, with --comm,
     comm modes side by side; with --testbed, on an emulated network, congested with --congest)."""
-    from dtk.comm.bench import parse_size, run_modes, run_sweep
+    from dtk.bench import parse_size, run_modes, run_sweep
 
     if comm is not None or testbed or congest or out_dir:
         kinds = [k.strip() for k in ops.split(",") if k.strip()]
@@ -380,7 +380,7 @@ def probe(
     """Bandwidth and latency between every pair of hosts (table + JSON); names the slowest link. Under srun, with
     neither --testbed nor --hosts: the job step's nodes, as `dtk train` takes them."""
     from dtk import probe as pr
-    from dtk.comm.bench import parse_size
+    from dtk.bench import parse_size
 
     nbytes = parse_size(size, "--size")
     if not testbed and not hosts:  # under srun (one `dtk probe` per node): the hosts as `dtk train` takes them

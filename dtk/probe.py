@@ -209,7 +209,7 @@ def _bed_rank(rank: int, n: int, port: int, queue, bed_state: dict, nbytes: int,
 def run_testbed(*, hosts: int, congest: list[str], nbytes: int = PROBE_BYTES, passes: int = PASSES,
                 pings: int = PINGS, json_out: str | None = None, timeout_s: float = 120, show: bool = True) -> dict:
     """Bring up a test bed of `hosts` hosts, congested as `congest` says, probe it, tear it down (always)."""
-    from dtk.comm.bench import spawn_ranks
+    from dtk.bench import spawn_ranks
     from dtk.testbed import shape
     from dtk.testbed.net import Testbed, check_environment
 
@@ -293,6 +293,6 @@ def _report(result: dict, *, title: str, json_out: str | None, show: bool) -> No
 
 
 def human(n: int) -> str:
-    from dtk.comm.bench import human_size
+    from dtk.bench import human_size
 
     return human_size(n) + "B"

@@ -17,6 +17,7 @@ from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions, _
 from dtk.comm import algorithms
 from dtk.comm.monitor import LinkMonitor
 from dtk.comm.planner import NATIVE, PIECE_BYTES, Choice, PlanState, describe
+from dtk.comm.seam import Seam
 
 log = logging.getLogger(__name__)
 
@@ -195,8 +196,6 @@ def _reordered(pg, kind: str, order: tuple[int, ...], a: dict):
 def step_boundary(step: int) -> list[dict]:
     """Called by every rank after each committed step: each adaptive group may re-plan (nothing in native mode).
     Returns the plan changes, for the run's events.jsonl."""
-    from dtk.comm.group import Seam
-
     if Seam.failed_generation == Seam.generation:
         return []  # a peer failed: recovery rebuilds the groups, and a rebuilt group starts native
     events = []

@@ -2,39 +2,19 @@
 or recovered run sees exactly the batches it would have seen."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable
 
-import torch
+from dtk.data.cifar10 import Cifar10
+from dtk.data.digits import Digits
+from dtk.data.spec import Dataset, DataSpec, batch_generator
+from dtk.data.synthetic import SyntheticTokens
+from dtk.data.text import CharText
 
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class DataSpec:
-    kind: str  # "tokens" or "images"
-    vocab_size: int = 0
-    seq_len: int = 0
-    input_shape: tuple[int, ...] = ()
-    classes: int = 0
-    """Targets per sample: next tokens (tokens) or one class (images)."""
-
-
-class Dataset(Protocol):
-    spec: DataSpec
-
-    def batch(self, *, step: int, rank: int, micro: int, size: int) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-def batch_generator(seed: int, step: int, rank: int, micro: int) -> torch.Generator:
-    return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 4099 + rank) * 131 + micro)
+__all__ = ["DATASETS", "DataSpec", "Dataset", "batch_generator", "build_dataset"]
 
 
 def build_dataset(cfg, *, seed: int) -> Dataset:
-    from dtk.data.cifar10 import Cifar10
-    from dtk.data.digits import Digits
-    from dtk.data.synthetic import SyntheticTokens
-    from dtk.data.text import CharText
-
-    builders: dict[str, Callable] = {
+    builders: dict[str, Callable[[], Dataset]] = {
         "synthetic": lambda: SyntheticTokens(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, seed=seed),
         "digits": lambda: Digits(seed=seed, held_out=cfg.held_out),
         "cifar10": lambda: Cifar10(path=cfg.path, seed=seed),

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dtk.data import DataSpec, batch_generator
+from dtk.data.spec import DataSpec, batch_generator
 from dtk.errors import DtkError
 
 RECORD = 1 + 3 * 32 * 32

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from dtk.data import DataSpec, batch_generator
+from dtk.data.spec import DataSpec, batch_generator
 
 
 class Digits:

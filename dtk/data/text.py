@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from dtk.data import DataSpec, batch_generator
+from dtk.data.spec import DataSpec, batch_generator
 from dtk.errors import DtkError
 
 

@@ -7,7 +7,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from dtk.data import DataSpec
+from dtk.data.spec import DataSpec
 from dtk.errors import DtkError
 from dtk.models.cnn import build_cnn
 from dtk.models.gpt import build_gpt

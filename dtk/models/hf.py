@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dtk.data import DataSpec
+from dtk.data.spec import DataSpec
 from dtk.errors import DtkError
 
 EXTRA = 'pip install -e ".[hf]"'

@@ -5,7 +5,7 @@ import datetime
 
 import pytest
 
-from dtk.comm.bench import spawn_ranks
+from dtk.bench import spawn_ranks
 
 pytestmark = pytest.mark.dist
 

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from dtk.comm.bench import spawn_ranks
+from dtk.bench import spawn_ranks
 
 pytestmark = [pytest.mark.dist]
 STRATEGIES = ["fsdp", "zero2", "zero3"]

@@ -132,7 +132,7 @@ def _train_rank(rank: int, n: int, port: int, queue, bed_state, flags: str) -> N
 
 @pytest.mark.timeout(300)
 def test_ddp_with_a_path_congested_at_a_step_replans_and_keeps_the_losses(tmp_path):
-    from dtk.comm.bench import spawn_ranks
+    from dtk.bench import spawn_ranks
     from dtk.testbed import shape
 
     def congest_when_asked(bed, stop):

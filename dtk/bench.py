@@ -1,5 +1,6 @@
-"""`dtk bench comm`: an nccl-tests-like sweep over local ranks, the native gloo group and dtk's seam side by side
-(time, algbw, busbw per size and collective, measured in the same processes, alternating which goes first)."""
+"""`dtk bench comm`, an app over the comm layer (not part of it): an nccl-tests-like sweep over local ranks, the
+native gloo group and dtk's seam side by side (time, algbw, busbw per size and collective, measured in the same
+processes, alternating which goes first); and `spawn_ranks`, the local-rank starter that probes and tests share."""
 from __future__ import annotations
 
 import datetime
@@ -10,13 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+from dtk.comm.seam import bus_factor
 from dtk.errors import DtkError
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
 _SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)(?:I?B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-_BUS = {"all_reduce": lambda n: 2 * (n - 1) / n, "all_gather": lambda n: (n - 1) / n,
-        "reduce_scatter": lambda n: (n - 1) / n}
 
 
 def parse_size(text: str, flag: str) -> int:
@@ -25,11 +25,6 @@ def parse_size(text: str, flag: str) -> int:
     if not m or int(m.group(1)) == 0:
         raise DtkError(f"{flag}: got '{text}'; accepted: a size like 4K, 1M, 64M")
     return int(m.group(1)) * _UNITS[m.group(2).upper()]
-
-
-def bus_factor(kind: str, n: int) -> float:
-    """busbw / algbw, as nccl-tests: 2(n-1)/n for all-reduce, (n-1)/n for all-gather and reduce-scatter."""
-    return _BUS[kind](n)
 
 
 def sizes(min_bytes: int, max_bytes: int) -> list[int]:

@@ -1,0 +1,28 @@
+"""What a data set is: its shape (`DataSpec`), the `Dataset` protocol every data set meets, and the one seeded
+generator that makes every batch a function of (seed, step, rank, micro-step)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataSpec:
+    kind: str  # "tokens" or "images"
+    vocab_size: int = 0
+    seq_len: int = 0
+    input_shape: tuple[int, ...] = ()
+    classes: int = 0
+    """Targets per sample: next tokens (tokens) or one class (images)."""
+
+
+class Dataset(Protocol):
+    spec: DataSpec
+
+    def batch(self, *, step: int, rank: int, micro: int, size: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def batch_generator(seed: int, step: int, rank: int, micro: int) -> torch.Generator:
+    return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 4099 + rank) * 131 + micro)
