@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 from dtk.errors import DtkError
+from dtk.resilience import protocol as keys
 
 PROBE_BYTES = 4 << 20
 """Bytes each side sends per pass: 16 x the shapers' 256 KB burst, so a shaped link shows its rate (0.17 s at
@@ -259,11 +260,11 @@ def run_hosts(*, hosts: int, endpoint: str, node_rank: int, interface: str | Non
         raise DtkError(f"--rdzv-endpoint: got {endpoint}; cannot {'listen' if node_rank == 0 else 'connect'} there "
                        f"({str(e).splitlines()[0][:120]})") from None
     kv = dist.PrefixStore("probe", store)
-    kv.set(f"joined/{node_rank}", socket.gethostname())
+    kv.set(keys.joined(node_rank), socket.gethostname())
     t0 = time.monotonic()
-    while not all(kv.check([f"joined/{k}"]) for k in range(hosts)):  # name the missing hosts, not a gloo timeout
+    while not all(kv.check([keys.joined(k)]) for k in range(hosts)):  # name the missing hosts, not a gloo timeout
         if time.monotonic() - t0 > timeout_s:
-            missing = [str(k) for k in range(hosts) if not kv.check([f"joined/{k}"])]
+            missing = [str(k) for k in range(hosts) if not kv.check([keys.joined(k)])]
             raise DtkError(f"--hosts: got {hosts}; host(s) {', '.join(missing)} did not join at {endpoint} within "
                            f"--timeout {timeout_s:g}s")
         time.sleep(0.05)

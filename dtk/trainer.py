@@ -16,11 +16,15 @@ import torch.distributed as dist
 
 from dtk.comm.dispatch import step_boundary as comm_boundary
 from dtk.comm.group import Seam
+from dtk.data.spec import Dataset
 from dtk.metrics import MetricsWriter
+from dtk.recipe import Recipe
 from dtk.resilience import checkpoint, inplace
+from dtk.resilience import protocol as keys
 from dtk.resilience.control import Control
 from dtk.resilience.faults import CORRUPT_EXIT, Injector, checksum
-from dtk.strategies.base import logits_of
+from dtk.resilience.parity import ParityKeeper
+from dtk.strategies.base import Engine, logits_of
 from dtk.strategies.memory import model_state_bytes
 
 log = logging.getLogger(__name__)
@@ -40,16 +44,16 @@ def peak_memory_bytes(device: torch.device, base_rss: int) -> int:
 
 @dataclass(kw_only=True)
 class Trainer:
-    recipe: object
-    engine: object
-    dataset: object
+    recipe: Recipe
+    engine: Engine
+    dataset: Dataset
     group: dist.ProcessGroup
     control: Control
     device: torch.device
     base_rss: int
     run_dir: str
     injector: Injector
-    parity: object | None = None
+    parity: ParityKeeper | None = None
     """dtk.resilience.parity.ParityKeeper when sharded state is kept recoverable in place; None otherwise."""
 
     def __post_init__(self):
@@ -80,7 +84,7 @@ class Trainer:
         if bad:
             log.error("local state corrupted before step %d: checksum mismatch in tensor(s) %s; not training on it",
                       step, bad[:8])
-            self.control.mark("corrupt", {"step": step, "tensors": bad[:8], "time": time.time()})
+            self.control.mark(keys.corrupt(self.rank), {"step": step, "tensors": bad[:8], "time": time.time()})
             logging.shutdown()
             os._exit(CORRUPT_EXIT)
 

@@ -90,6 +90,7 @@ def run_rank() -> None:
     from dtk.data import build_dataset
     from dtk.models import build_model
     from dtk.resilience import checkpoint, inplace, shadow
+    from dtk.resilience import protocol as keys
     from dtk.resilience.control import Control, connect
     from dtk.resilience.faults import Fault, Injector
     from dtk.strategies import RANK_AGNOSTIC, REHEARSABLE, BuildContext, build_engine
@@ -108,9 +109,10 @@ def run_rank() -> None:
     Seam.generation = int(join or 0)
     store = connect(os.environ["DTK_STORE"])
     # every attempt rendezvouses on its own prefix: a restarted rank must not read a dead attempt's addresses
-    dist.init_process_group("dtk", store=dist.PrefixStore(f"a{attempt}/world", store), rank=rank,
+    dist.init_process_group("dtk", store=dist.PrefixStore(keys.world_prefix(attempt), store), rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=recipe.world.timeout_s))
     group = dist.group.WORLD
+    assert group is not None  # init_process_group made it
     timeline["group_at"] = time.time()
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
@@ -161,7 +163,7 @@ def run_rank() -> None:
     injector = Injector(rank=rank, store=control.run_store, engine=engine)
     for spec in control.initial_faults():
         injector.add(Fault(**spec))
-    control.on_faults = lambda specs: [injector.add(Fault(**f)) for f in specs]
+    control.on_faults = lambda specs: _add_faults(injector, specs)
     control.start()
     trainer = Trainer(recipe=recipe, engine=engine, dataset=dataset, group=group, control=control,
                       device=device, base_rss=base_rss, run_dir=run_dir, injector=injector, parity=parity)
@@ -180,10 +182,18 @@ def run_rank() -> None:
         engine.match_running_layout(x.to(device), y.to(device))  # every rank restarts: collectives match
     trainer.resume_records(start)  # records past the start are from a run that did not keep them
     timeline.update(loaded_at=time.time(), start_step=start)
-    control.mark("started", timeline)
+    control.mark(keys.started(rank), timeline)
     trainer.run(start_step=start)
     control.close()
     dist.destroy_process_group()
+
+
+def _add_faults(injector, specs: list[dict]) -> None:
+    """Faults announced while the rank runs (`dtk inject-failure --run`), from the control thread."""
+    from dtk.resilience.faults import Fault
+
+    for f in specs:
+        injector.add(Fault(**f))
 
 
 def main() -> None:

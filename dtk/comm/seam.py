@@ -78,7 +78,7 @@ class CommStats:
     def take(self) -> dict:
         """The counters since the last take, as plain numbers; resets them."""
         with self.lock:
-            out = {
+            out: dict = {
                 "by_kind": {k: {"calls": s.calls, "bytes": s.bytes, "size_bytes": s.size_bytes, "seconds": s.seconds}
                             for k, s in sorted(self.kinds.items())},
                 "peer_bytes": {str(p): b for p, b in sorted(self.peer_bytes.items())},

@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dtk.resilience import protocol as keys
+
 log = logging.getLogger(__name__)
 
 
@@ -87,40 +89,40 @@ def check_shared(store, *, run_dir: str | Path, node_rank: int, nnodes: int, res
 
     from dtk.errors import DtkError
 
-    kv = dist.PrefixStore("checkpoint-shared", store)
+    kv = dist.PrefixStore(keys.CHECKPOINT_SHARED_PREFIX, store)
     wait = datetime.timedelta(seconds=timeout_s)
     hint = "put output.dir on a file system every host can read (NFS, Lustre, ...)"
     if node_rank == 0:
         found = latest(run_dir)
         need = _needed(found[1]) if found else {}
-        kv.set("node0", json.dumps({"step": found[0] if found else None, "host": socket.gethostname(), "need": need}))
+        kv.set(keys.CHECKPOINT_NODE0, json.dumps({"step": found[0] if found else None, "host": socket.gethostname(), "need": need}))
         if found is None:
             return  # nothing to resume from here: a host holding an older run's checkpoint refuses on its side
         bad = [f"this host (node 0): {mine}"] if (mine := _missing(found[1], need)) else []
         for k in range(1, nnodes):
             try:
-                kv.wait([f"verdict/{k}"], wait)
+                kv.wait([keys.checkpoint_verdict(k)], wait)
             except Exception:  # noqa: BLE001 - a host that never came: the rendezvous names it, not this check
                 continue
-            verdict = json.loads(kv.get(f"verdict/{k}"))
+            verdict = json.loads(kv.get(keys.checkpoint_verdict(k)))
             if verdict["problem"]:
                 bad.append(f"node {k} ({verdict['host']}): {verdict['problem']}")
         if bad:
             raise DtkError(f"output.dir: got {str(run_dir)!r}; node 0 resumes from the checkpoint of step {found[0]}, "
                            f"but {'; '.join(bad)}; {hint}")
         return
-    kv.wait(["node0"], wait)
-    node0 = json.loads(kv.get("node0"))
-    mine = latest(run_dir)
+    kv.wait([keys.CHECKPOINT_NODE0], wait)
+    node0 = json.loads(kv.get(keys.CHECKPOINT_NODE0))
+    newest = latest(run_dir)
     step = node0["step"]
     problem = ""
-    if step is None and mine is not None:
-        problem = f"it holds a checkpoint of step {mine[0]} that node 0 does not see"
+    if step is None and newest is not None:
+        problem = f"it holds a checkpoint of step {newest[0]} that node 0 does not see"
     elif step is not None:
         problem = _missing(checkpoint_dir(run_dir) / f"step_{step}", node0["need"])
-        if not problem and mine is not None and mine[0] != step:
-            problem = f"its newest checkpoint is of step {mine[0]}, node 0's of step {step}"
-    kv.set(f"verdict/{node_rank}", json.dumps({"host": socket.gethostname(), "problem": problem}))
+        if not problem and newest is not None and newest[0] != step:
+            problem = f"its newest checkpoint is of step {newest[0]}, node 0's of step {step}"
+    kv.set(keys.checkpoint_verdict(node_rank), json.dumps({"host": socket.gethostname(), "problem": problem}))
     if problem:
         where = f"node 0 ({node0['host']}) resumes from step {step}" if step is not None else "node 0 starts afresh"
         raise DtkError(f"output.dir: got {str(run_dir)!r}; {where}, but on this host (node {node_rank}, "

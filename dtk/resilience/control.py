@@ -14,10 +14,12 @@ import os
 import socket
 import threading
 import time
+from typing import Callable
 
 import torch.distributed as dist
 
-from dtk.comm.group import Seam
+from dtk.comm.seam import Seam
+from dtk.resilience import protocol as keys
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.05
@@ -32,22 +34,15 @@ def connect(address: str, *, timeout_s: float = 300) -> dist.Store:
                          timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def attempt_prefix(attempt: int) -> str:
-    return f"dtk/a{attempt}"
-
-
-RUN_PREFIX = "dtk/run"
-
-
 class Control:
     def __init__(self, *, address: str, rank: int, attempt: int):
         self.rank = rank
         self.token = f"{socket.gethostname()}:{os.getpid()}"
         """This process, in its beats: node 0 fences it by this name when its node is taken for lost."""
-        self.store = dist.PrefixStore(attempt_prefix(attempt), connect(address))
-        self.run_store = dist.PrefixStore(RUN_PREFIX, connect(address))
-        self._watch_store = dist.PrefixStore(attempt_prefix(attempt), connect(address))
-        self._watch_run = dist.PrefixStore(RUN_PREFIX, connect(address))
+        self.store = keys.attempt_store(connect(address), attempt)
+        self.run_store = keys.run_store(connect(address))
+        self._watch_store = keys.attempt_store(connect(address), attempt)
+        self._watch_run = keys.run_store(connect(address))
         self.step = 0
         self.phase = "train"
         self.step_seconds = 0.0
@@ -55,7 +50,7 @@ class Control:
         """What the main thread is doing, for the launcher's hang watch: train, checkpoint (allowed longer), recovery."""
         self.last_plan: dict | None = None
         """The recovery plan this rank last joined by (dtk.resilience.inplace.rejoin)."""
-        self.on_faults = None
+        self.on_faults: Callable[[list[dict]], None] | None = None
         """Called from the watcher thread with newly announced fault specs (a list of dicts) for this rank."""
         self._faults_seen = 0
         self._stop = threading.Event()
@@ -69,23 +64,23 @@ class Control:
         while not self._stop.wait(POLL_SECONDS):
             try:
                 generation = Seam.generation
-                key = f"gen{generation}/failure"
+                key = keys.failure(generation)
                 if Seam.failed_generation != generation and self._watch_store.check([key]):
                     Seam.release(self._watch_store.get(key).decode(), generation=generation)
                 if time.monotonic() - last_beat > BEAT_SECONDS:
                     outstanding = sum(len(g.outstanding) for g in Seam.groups)
-                    self._watch_store.set(f"beat/{self.rank}", json.dumps(
+                    self._watch_store.set(keys.beat(self.rank), json.dumps(
                         {"step": self.step, "t": time.time(), "outstanding": outstanding, "phase": self.phase,
                          "step_s": self.step_seconds, "token": self.token}))
                     last_beat = time.monotonic()
                     self._poll_faults()
-                    if self._watch_store.check([f"fenced/{self.token}"]):
+                    if self._watch_store.check([keys.fenced(self.token)]):
                         self._exit_fenced(self._watch_store)
             except Exception:  # the launcher went away: the run is over, the main thread will find out
                 return
 
     def _poll_faults(self) -> None:
-        key = f"faults/{self.rank}"
+        key = keys.faults(self.rank)
         if self.on_faults is None or not self._watch_run.check([key]):
             return
         faults = json.loads(self._watch_run.get(key))
@@ -95,39 +90,40 @@ class Control:
 
     def fence_check(self) -> None:
         """Before acting on a plan: a rank whose node was taken for lost exits (its rank was given to another)."""
-        if self.store.check([f"fenced/{self.token}"]):
+        if self.store.check([keys.fenced(self.token)]):
             self._exit_fenced(self.store)
 
     def _exit_fenced(self, store) -> None:
-        log.error("rank %d: %s; exiting", self.rank, store.get(f"fenced/{self.token}").decode())
+        log.error("rank %d: %s; exiting", self.rank, store.get(keys.fenced(self.token)).decode())
         logging.shutdown()
         os._exit(FENCED_EXIT)
 
     def initial_faults(self) -> list[dict]:
-        key = f"faults/{self.rank}"
+        key = keys.faults(self.rank)
         return json.loads(self.run_store.get(key)) if self.run_store.check([key]) else []
 
     def beat(self, step: int) -> None:
         self.step = step
 
-    def mark(self, name: str, payload: dict) -> None:
-        """A fact for the launcher (timeline of start-up, reports), under this attempt's prefix."""
-        self.store.set(f"{name}/{self.rank}", json.dumps(payload))
+    def mark(self, key: str, payload: dict) -> None:
+        """A fact for the launcher (a key of dtk.resilience.protocol: start-up timeline, corruption), under this
+        attempt's prefix."""
+        self.store.set(key, json.dumps(payload))
 
     def report(self, generation: int, kind: str, payload: dict) -> None:
         """kind: "failed" (this rank saw generation's failure) or "rejoined" (it runs in generation)."""
-        self.store.set(f"gen{generation}/{kind}/{self.rank}", json.dumps(payload))
+        self.store.set(keys.report(generation, kind, self.rank), json.dumps(payload))
 
     def wait_plan(self, generation: int) -> dict:
-        key = f"gen{generation}/plan"
+        key = keys.plan(generation)
         self.store.wait([key], datetime.timedelta(seconds=600))
         return json.loads(self.store.get(key))
 
     def generation_failed(self, generation: int) -> bool:
-        return self.store.check([f"gen{generation}/failure"])
+        return self.store.check([keys.failure(generation)])
 
     def finish(self, step: int) -> None:
-        self.store.set(f"done/{self.rank}", str(step))
+        self.store.set(keys.done(self.rank), str(step))
 
     def close(self) -> None:
         self._stop.set()

@@ -13,11 +13,15 @@ import random
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from dtk.errors import DtkError
+from dtk.metrics import append_event
+from dtk.resilience import protocol as keys
 
 log = logging.getLogger(__name__)
 
@@ -130,12 +134,75 @@ def _host_rank(spec: str, fields: dict[str, str], *, world: int, nodes: int | No
 def announce(run_store, fault: Fault) -> None:
     """Add a fault to its rank's list in the run's store (read at start-up and polled while running); atomic, as the
     launcher and a test bed's driver may both announce faults to a run."""
-    key = f"faults/{fault.rank}"
+    key = keys.faults(fault.rank)
     while True:
         old = run_store.get(key).decode() if run_store.check([key]) else ""
         new = json.dumps(json.loads(old or "[]") + [asdict(fault)])
         if run_store.compare_set(key, old, new).decode() == new:
             return
+
+
+@dataclass(kw_only=True)
+class FaultBoard:
+    """The launcher's side of faults: announces them to their ranks (given at start, live from `dtk inject-failure
+    --run`, drawn at random by --mtbf) and reads back which fired, so that a failure is named by its cause."""
+
+    run_store: dist.Store
+    """The run's store prefix (dtk.resilience.protocol.run_store)."""
+    run_dir: Path
+    world: int
+    nnodes: int = 1
+    schedule: list[tuple[float, int]] = field(default_factory=list)
+    """(seconds of training, rank) of random faults of kind `schedule_kind` (--mtbf)."""
+    schedule_kind: str = "kill"
+    attributed: set[str] = field(default_factory=set)
+    """The fired faults already named as a failure's cause."""
+    _next_random: int = 0
+    _live_count: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def deliver(self, fault: Fault) -> None:
+        """Announce a fault to its rank (read at start-up and polled while running)."""
+        announce(self.run_store, fault)
+
+    def live(self, specs: list[str]) -> list[str]:
+        """From `dtk inject-failure --run`: parse (DtkError on a bad one: nothing is scheduled) and deliver."""
+        with self._lock:
+            start = self._live_count
+            self._live_count += len(specs)
+        parsed = [parse(s, world=self.world, fault_id=f"live{start + i}", flag="fault", nodes=self.nnodes)
+                  for i, s in enumerate(specs)]
+        for f in parsed:
+            self.deliver(f)
+        append_event(self.run_dir, {"event": "faults scheduled", "faults": [f.spec() for f in parsed]})
+        return [f.spec() for f in parsed]
+
+    def fired(self) -> list[dict]:
+        """The faults that have fired so far (each recorded by its rank just before it acted)."""
+        announced = [f for rank in range(self.world) for f in keys.read_json(self.run_store, keys.faults(rank)) or []]
+        return [x for f in announced if (x := keys.read_json(self.run_store, keys.fired(f["id"]))) is not None]
+
+    def attribute(self, rank: int) -> dict | None:
+        """The newest fault that fired on `rank` and caused no failure yet (a straggler's `slow` causes none)."""
+        fired = [f for f in self.fired()
+                 if f["rank"] == rank and f["id"] not in self.attributed and f["kind"] != "slow"]
+        if not fired:
+            return None
+        self.attributed.add(fired[-1]["id"])
+        return fired[-1]
+
+    def random_due(self, *, t_train: float | None, resumed_at: float | None) -> None:
+        """Deliver the random faults due by now (drawn in training time: from `t_train`); one that came while the run
+        was recovering (before `resumed_at`) is dropped: there was no running rank for it to hit."""
+        now = time.time() - (t_train or float("inf"))
+        while self._next_random < len(self.schedule) and self.schedule[self._next_random][0] <= now:
+            due, rank = self.schedule[self._next_random]
+            if resumed_at is None or t_train is None or t_train + due < resumed_at:
+                append_event(self.run_dir, {"event": "random fault dropped", "rank": rank, "due_s": due,
+                                            "why": "it came during a recovery"})
+            else:
+                self.deliver(Fault(kind=self.schedule_kind, rank=rank, id=f"mtbf{self._next_random}"))
+            self._next_random += 1
 
 
 def parse_duration(text: str, flag: str) -> float:
@@ -158,7 +225,7 @@ def parse_duration(text: str, flag: str) -> float:
 def random_schedule(*, mtbf_s: float, seed: int, world: int, horizon_s: float = 24 * 3600) -> list[tuple[float, int]]:
     """(seconds after start, rank) of faults with exponential gaps of mean `mtbf_s`; deterministic by seed."""
     rng = random.Random(seed)
-    t, out = 0.0, []
+    t, out = 0.0, list[tuple[float, int]]()
     while len(out) < 1000:
         t += rng.expovariate(1.0 / mtbf_s)
         if t > horizon_s:
@@ -194,7 +261,7 @@ class Injector:
                 self.pending.append(fault)
 
     def _fired(self, fault: Fault) -> bool:
-        return self.store.check([f"fired/{fault.id}"])
+        return self.store.check([keys.fired(fault.id)])
 
     def at(self, step: int, phase: str) -> None:
         self.step = step
@@ -208,7 +275,7 @@ class Injector:
             self._fire(f, step)
 
     def _fire(self, f: Fault, step: int) -> None:
-        self.store.set(f"fired/{f.id}", json.dumps({**asdict(f), "at_step": step, "time": time.time()}))
+        self.store.set(keys.fired(f.id), json.dumps({**asdict(f), "at_step": step, "time": time.time()}))
         log.warning("injecting fault %s at step %d (%s)", f.spec(), step, f.phase)
         if f.kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
@@ -232,7 +299,7 @@ class Injector:
         elif f.kind == "congest":
             # The test bed's driver shapes the link when it sees this firing; waiting for it here (the other ranks
             # wait at their next collective) makes the congestion start at this step exactly.
-            self.store.wait([f"applied/{f.id}"], datetime.timedelta(seconds=CONGEST_WAIT_S))
+            self.store.wait([keys.applied(f.id)], datetime.timedelta(seconds=CONGEST_WAIT_S))
 
     def straggle(self, compute_seconds: float) -> None:
         if self.slow_factor > 1:

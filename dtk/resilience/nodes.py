@@ -10,6 +10,12 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
+
+import torch.distributed as dist
+
+from dtk.resilience import protocol as keys
+from dtk.resilience.recovery import RecoveryFailed, RunState, RunView
 
 REPLACE_TIMEOUT_S = 120.0
 """How long node 0 waits for another node to start a rank's replacement (a cold start takes seconds)."""
@@ -22,18 +28,6 @@ NODE_SILENT_S = 3.0
 20 ms: 30 beats missed in a row do not happen to a live one, even on a loaded machine."""
 NODE_SUSPECT_S = 1.0
 """...or for this long while a rank is recovering with no rank known dead (its collectives broke: a peer is gone)."""
-
-
-RESTART_KEY = "nodes/restart"
-"""Node 0's latest checkpoint restart: its attempt and which node runs each rank in it."""
-
-
-def _dead_key(node: int) -> str:
-    return f"nodes/{node}/dead"
-
-
-def _lost_key(node: int) -> str:
-    return f"nodes/{node}/lost"
 
 
 class NodeBeat:
@@ -49,9 +43,9 @@ class NodeBeat:
         if now < self._next:
             return None
         self._next = now + NODE_BEAT_S
-        self.store.add(f"nodes/{self.node}/beat", 1)
-        if self.store.check([_lost_key(self.node)]):
-            return self.store.get(_lost_key(self.node)).decode()
+        self.store.add(keys.node_beat(self.node), 1)
+        if self.store.check([keys.node_lost(self.node)]):
+            return self.store.get(keys.node_lost(self.node)).decode()
         return None
 
 
@@ -77,15 +71,15 @@ class NodeWatch:
         self._next = now + NODE_BEAT_S
         out = []
         for node in range(1, self.nnodes):
-            if node in self.lost or not self.store.check([f"joined/{node}"]) or self.store.check([f"left/{node}"]):
+            if node in self.lost or not self.store.check([keys.joined(node)]) or self.store.check([keys.left(node)]):
                 continue
-            beats = self.store.add(f"nodes/{node}/beat", 0)
+            beats = self.store.add(keys.node_beat(node), 0)
             count, since = self.seen.get(node, (-1, now))
             if beats != count:
                 self.seen[node] = (beats, now)
             elif (now - since > NODE_SILENT_S or (now - since > NODE_SUSPECT_S and suspect())) and active(node):
                 self.lost[node] = now - since
-                self.store.set(_lost_key(node), f"node 0 heard nothing from this node's launcher for "
+                self.store.set(keys.node_lost(node), f"node 0 heard nothing from this node's launcher for "
                                                 f"{now - since:.1f}s and took it for lost")
                 out.append(node)
         return out
@@ -106,14 +100,14 @@ class NodeReporter:
         """`dead`: rank -> {"code": exit status, "detected_at": time}; only changes go to the store."""
         text = json.dumps({"attempt": self.attempt, "ranks": {str(r): v for r, v in sorted(dead.items())}})
         if text != self._published:
-            self.store.set(_dead_key(self.node), text)
+            self.store.set(keys.node_dead(self.node), text)
             self._published = text
 
     def restart_due(self) -> tuple[int, list[int]] | None:
         """(attempt, the ranks this node runs in it) when node 0 started a newer attempt than this node's."""
-        if not self.store.check([RESTART_KEY]):
+        if not self.store.check([keys.RESTART]):
             return None
-        restart = json.loads(self.store.get(RESTART_KEY))
+        restart = json.loads(self.store.get(keys.RESTART))
         if restart["attempt"] <= self.attempt:
             return None
         return restart["attempt"], [int(r) for r, node in restart["placement"].items() if node == self.node]
@@ -121,13 +115,13 @@ class NodeReporter:
     def serve(self, replace, dead: dict[int, dict]) -> None:
         """Carry out node 0's requests: `replace(rank, generation) -> dict` (the launcher's own); the new snapshot
         of dead ranks is published before the answer, so node 0 never reads a replaced rank as dead."""
-        while self.store.check([f"nodes/{self.node}/replace/{self.next_request}"]):
+        while self.store.check([keys.replace_request(self.node, self.next_request)]):
             seq = self.next_request
-            request = json.loads(self.store.get(f"nodes/{self.node}/replace/{seq}"))
+            request = json.loads(self.store.get(keys.replace_request(self.node, seq)))
             how = replace(request["rank"], request["generation"])
             dead.pop(request["rank"], None)
             self.publish(dead)
-            self.store.set(f"nodes/{self.node}/replaced/{seq}", json.dumps(how))
+            self.store.set(keys.replaced(self.node, seq), json.dumps(how))
             self.next_request += 1
 
 
@@ -136,28 +130,26 @@ class Coordinator:
     every node; a rank of node k is replaced by node k's launcher on request (in place), and a checkpoint restart
     restarts every node's ranks (`announce_restart`)."""
 
-    def __init__(self, *, launcher, run_store, nnodes: int, nproc: int, watch: NodeWatch):
-        self.launcher, self.store, self.nnodes, self.nproc, self.watch = launcher, run_store, nnodes, nproc, watch
+    def __init__(self, *, local: RunView, state: RunState, run_store, nnodes: int, nproc: int, watch: NodeWatch):
+        self.local, self.state = local, state
+        """node 0's own processes, and where the run stands (its attempt, control and generation)"""
+        self.store, self.nnodes, self.nproc, self.watch = run_store, nnodes, nproc, watch
         self._requests = [0] * nnodes
         self.placement = {r: r // nproc for r in range(nnodes * nproc)}
         """rank -> the node that hosts it: its own, until its node is lost and a surviving node takes it"""
 
-    # the RunView's fields, the launcher's own
+    # the RunView's fields: the run's, as node 0 sees them
     @property
-    def control(self):
-        return self.launcher.control
+    def control(self) -> dist.Store:
+        return self.local.control
 
     @property
-    def run_dir(self):
-        return self.launcher.run_dir
+    def run_dir(self) -> Path:
+        return self.local.run_dir
 
     @property
     def generation(self) -> int:
-        return self.launcher.generation
-
-    @generation.setter
-    def generation(self, value: int) -> None:
-        self.launcher.generation = value
+        return self.state.generation
 
     def node_of(self, rank: int) -> int:
         return self.placement[rank]
@@ -174,18 +166,18 @@ class Coordinator:
         ranks are run by the surviving ones. Returns the ranks node 0 runs."""
         for r in self.on_lost_nodes():
             self.placement[r] = self._host_for(r)
-        self.store.set(RESTART_KEY, json.dumps({"attempt": attempt, "placement": self.placement}))
+        self.store.set(keys.RESTART, json.dumps({"attempt": attempt, "placement": self.placement}))
         return self.hosted(0)
 
     def fence_lost(self) -> None:
         """Mark every process of a rank on a lost node (by the token in its last beat) before it is replaced: if
         the node was only cut off for a while, such a rank exits at its next beat, and before any plan it reads."""
-        control = self.launcher.control
+        control = self.control
         for r in self.on_lost_nodes():
-            if control.check([f"beat/{r}"]):
-                token = json.loads(control.get(f"beat/{r}"))["token"]
+            if control.check([keys.beat(r)]):
+                token = json.loads(control.get(keys.beat(r)))["token"]
                 node = self.placement[r]
-                control.set(f"fenced/{token}", f"node 0 took node {node} for lost after "
+                control.set(keys.fenced(token), f"node 0 took node {node} for lost after "
                                                f"{self.watch.lost[node]:.1f}s without a word from it, and gave rank "
                                                f"{r} to another process")
 
@@ -193,9 +185,9 @@ class Coordinator:
         """The ranks other (live) nodes report dead, and have not replaced yet: rank -> {code, detected_at}."""
         out: dict[int, dict] = {}
         for node in range(1, self.nnodes):
-            if node not in self.watch.lost and self.store.check([_dead_key(node)]):
-                reported = json.loads(self.store.get(_dead_key(node)))
-                if reported["attempt"] == self.launcher.attempt:  # not the deaths of an attempt restarted since
+            if node not in self.watch.lost and self.store.check([keys.node_dead(node)]):
+                reported = json.loads(self.store.get(keys.node_dead(node)))
+                if reported["attempt"] == self.state.attempt:  # not the deaths of an attempt restarted since
                     out.update({int(r): v for r, v in reported["ranks"].items() if self.placement[int(r)] == node})
         return out
 
@@ -203,7 +195,7 @@ class Coordinator:
         return list(range(self.nnodes * self.nproc))
 
     def dead(self) -> list[int]:
-        return sorted(set(self.launcher.dead()) | set(self.remote_dead()) | set(self.on_lost_nodes()))
+        return sorted(set(self.local.dead()) | set(self.remote_dead()) | set(self.on_lost_nodes()))
 
     def _host_for(self, rank: int) -> int:
         node = self.placement[rank]
@@ -217,16 +209,14 @@ class Coordinator:
         moved = {"moved_from_node": self.placement[rank]} if node != self.placement[rank] else {}
         self.placement[rank] = node
         if node == 0:
-            return {**self.launcher.replace(rank, generation), "node": 0, **moved}
+            return {**self.local.replace(rank, generation), "node": 0, **moved}
         seq = self._requests[node]
         self._requests[node] += 1
-        self.store.set(f"nodes/{node}/replace/{seq}", json.dumps({"rank": rank, "generation": generation}))
-        answer = f"nodes/{node}/replaced/{seq}"
+        self.store.set(keys.replace_request(node, seq), json.dumps({"rank": rank, "generation": generation}))
+        answer = keys.replaced(node, seq)
         deadline = time.monotonic() + REPLACE_TIMEOUT_S
         while not self.store.check([answer]):
             if time.monotonic() > deadline:
-                from dtk.resilience.recovery import RecoveryFailed
-
                 raise RecoveryFailed(f"node {node} did not replace rank {rank} in {REPLACE_TIMEOUT_S:.0f}s")
             time.sleep(0.005)
         return {**json.loads(self.store.get(answer)), "node": node, **moved}

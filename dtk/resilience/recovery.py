@@ -11,9 +11,13 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol
 
+import torch.distributed as dist
+
 from dtk.metrics import append_event
+from dtk.resilience import protocol as keys
 
 REPORT_TIMEOUT_S = 300.0
 
@@ -22,13 +26,29 @@ class RecoveryFailed(RuntimeError):
     """In-place recovery cannot finish (no rank holds the state any more, or a report never came)."""
 
 
-class RunView(Protocol):
-    """What recovery may do with a run: the launcher implements it."""
+@dataclass(kw_only=True)
+class RunState:
+    """Where the run stands: its attempt (a set of rank processes), that attempt's store prefix, and the generation
+    of its process group. The supervisor alone changes it; the views read it."""
 
-    control: object
-    """This attempt's store prefix."""
-    generation: int
-    run_dir: object
+    attempt: int = 0
+    control: dist.Store | None = None
+    generation: int = 0
+
+
+class RunView(Protocol):
+    """What recovery may do with a run: one node's processes (dtk.resilience.roles.LocalView), or every node's
+    (dtk.resilience.nodes.Coordinator, node 0 of several)."""
+
+    @property
+    def control(self) -> dist.Store:
+        """This attempt's store prefix."""
+
+    @property
+    def generation(self) -> int: ...
+
+    @property
+    def run_dir(self) -> Path: ...
 
     def ranks(self) -> list[int]: ...
 
@@ -48,12 +68,14 @@ class Recovery:
     lost: list[int] = field(default_factory=list)
     replacements: list[dict] = field(default_factory=list)
     rounds: int = 0
+    generation: int = 0
+    """The generation the run is in once recovered."""
 
     def run_rounds(self, failed: set[int]) -> dict:
         g, new = self.run.generation, set(failed)
         while True:
             self.rounds += 1
-            self.run.control.set(f"gen{g}/failure", f"rank(s) {sorted(new)} failed")
+            self.run.control.set(keys.failure(g), f"rank(s) {sorted(new)} failed")
             t_notice = time.time()
             joining = self._replace(new, g + 1)
             reporters = [r for r in self.run.ranks() if r not in joining]
@@ -69,7 +91,7 @@ class Recovery:
             source = max(valid, key=lambda r: (valid[r]["step"], -r))
             step = valid[source]["step"]
             t_plan = time.time()
-            self.run.control.set(f"gen{g + 1}/plan", json.dumps({"source": source, "step": step,
+            self.run.control.set(keys.plan(g + 1), json.dumps({"source": source, "step": step,
                                                                   "replaced": sorted(joining),
                                                                   "record": valid[source].get("record")}))
             rejoined = self._wait(g + 1, "rejoined", self.run.ranks())
@@ -78,7 +100,7 @@ class Recovery:
                                                 "ranks": sorted(rejoined)})
                 g, new = g + 1, rejoined
                 continue
-            self.run.generation = g + 1
+            self.generation = g + 1
             return self._figures(reports=reports, rejoined=rejoined, source=source, step=step, t_notice=t_notice,
                                  t_plan=t_plan)
 
@@ -88,25 +110,25 @@ class Recovery:
             self.replacements.append({"rank": r, "generation": generation, **self.run.replace(r, generation)})
         return set(ranks)
 
-    def _wait(self, generation: int, kind: str, ranks: list[int], *, replace_dead: set[int] = frozenset(),
-              join_generation: int | None = None):
+    def _wait(self, generation: int, kind: str, ranks: list[int], *,
+              replace_dead: frozenset[int] | set[int] = frozenset(), join_generation: int = 0):
         """Every rank's report of `kind` for `generation`, or the set of those ranks that died before reporting.
         A replacement in `replace_dead` that dies before the plan is replaced again at once."""
         deadline = time.monotonic() + REPORT_TIMEOUT_S
-        keys = {r: f"gen{generation}/{kind}/{r}" for r in ranks}
+        wanted = {r: keys.report(generation, kind, r) for r in ranks}
         got: dict[int, dict] = {}
-        while len(got) < len(keys):
-            for r, k in keys.items():
+        while len(got) < len(wanted):
+            for r, k in wanted.items():
                 if r not in got and self.run.control.check([k]):
                     got[r] = json.loads(self.run.control.get(k))
             dead = set(self.run.dead())
             for r in sorted(dead & set(replace_dead)):
                 self._replace({r}, join_generation)
-            lost = {r for r in dead if r in keys and r not in got}
+            lost = {r for r in dead if r in wanted and r not in got}
             if lost:
                 return lost
             if time.monotonic() > deadline:
-                missing = sorted(set(keys) - set(got))
+                missing = sorted(set(wanted) - set(got))
                 raise RecoveryFailed(f"recovery stalled: no {kind} report from rank(s) {missing} in "
                                      f"{REPORT_TIMEOUT_S:.0f}s")
             time.sleep(0.005)
@@ -144,5 +166,8 @@ class Recovery:
         }
 
 
-def recover_in_place(run: RunView, *, failed: set[int], t_detect: float) -> dict:
-    return Recovery(run=run, t_detect=t_detect).run_rounds(failed)
+def recover_in_place(run: RunView, *, failed: set[int], t_detect: float) -> tuple[int, dict]:
+    """Recover the run from the failure of `failed`: (the generation it runs in now, the failure's figures)."""
+    recovery = Recovery(run=run, t_detect=t_detect)
+    figures = recovery.run_rounds(failed)
+    return recovery.generation, figures

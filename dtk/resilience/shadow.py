@@ -15,6 +15,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch.distributed as dist
+
+from dtk.resilience import protocol as keys
+
 log = logging.getLogger(__name__)
 WAIT_SLICE_S = 2.0
 """A waiting shadow wakes this often to check that its launcher still lives (the store wait is server-side:
@@ -23,13 +27,9 @@ no polling, no CPU while the run trains)."""
 
 def wait_for_promotion(store, *, attempt: int, shadow_id: str, ready: dict) -> dict:
     """Say this shadow is ready, then block until the launcher promotes it: returns {rank, generation}."""
-    import torch.distributed as dist
-
-    from dtk.resilience.control import attempt_prefix
-
-    control = dist.PrefixStore(attempt_prefix(attempt), store)
-    control.set(f"shadow/{shadow_id}/ready", json.dumps(ready))
-    key = f"shadow/{shadow_id}/promote"
+    control = keys.attempt_store(store, attempt)
+    control.set(keys.shadow_ready(shadow_id), json.dumps(ready))
+    key = keys.shadow_promote(shadow_id)
     launcher = os.getppid()
     while True:
         try:
@@ -55,7 +55,7 @@ class ShadowPool:
 
     count: int
     spawn: Callable[[int], subprocess.Popen]
-    control: object
+    control: dist.Store
     """This attempt's store prefix."""
     shadows: dict[int, Shadow] = field(default_factory=dict)
     promotions: list[dict] = field(default_factory=list)
@@ -85,8 +85,8 @@ class ShadowPool:
 
     def _refresh(self) -> None:
         for sid, sh in self.shadows.items():
-            if sh.ready is None and self.control.check([f"shadow/{sid}/ready"]):
-                sh.ready = json.loads(self.control.get(f"shadow/{sid}/ready"))
+            if sh.ready is None and self.control.check([keys.shadow_ready(sid)]):
+                sh.ready = json.loads(self.control.get(keys.shadow_ready(sid)))
 
     def promote(self, *, rank: int, generation: int) -> Shadow | None:
         """Hand `rank` to a shadow: a ready one first, else one still warming up (it is ahead of a cold start).
@@ -97,7 +97,7 @@ class ShadowPool:
             return None
         sid = min(self.shadows, key=lambda s: (self.shadows[s].ready is None, s))
         sh = self.shadows.pop(sid)
-        self.control.set(f"shadow/{sid}/promote", json.dumps({"rank": rank, "generation": generation}))
+        self.control.set(keys.shadow_promote(sid), json.dumps({"rank": rank, "generation": generation}))
         self.promotions.append({"shadow": sid, "pid": sh.proc.pid, "rank": rank, "generation": generation,
                                 "was_ready": sh.ready is not None, "time": time.time()})
         return sh

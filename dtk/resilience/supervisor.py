@@ -1,221 +1,382 @@
-"""The launcher's side of failures: naming a failure (and finding hung ranks), the checkpoint-restart baseline,
-noticing a storm that recovery cannot keep up with, and each failure's figures once the run is over.
-(The in-place sequence is dtk.resilience.recovery; shadows are dtk.resilience.shadow.)"""
+"""The supervisor of one node's share of a run: the watch loop (deaths, hangs, silent nodes, random faults) and the
+failure policy (recover in place, restart from a checkpoint, stop; storms; fencing; a fallback to the checkpoint).
+
+It acts on the run through a `Host` (this node's processes: dtk.launch.Host) and hears the other nodes through a
+`NodeRole` (dtk.resilience.roles); both are Protocols, so the policy runs as well over a fake host (tests/unit).
+"""
 from __future__ import annotations
 
-import json
-import signal
-import statistics
+import logging
 import time
-from collections import deque
+from pathlib import Path
+from typing import Callable, Protocol
 
-HANG_FLOOR_S = 5.0
-"""The shortest automatic hang timeout: a step may stall this long on a loaded machine without being hung."""
-HANG_STEP_MULTIPLE = 10.0
-"""The automatic hang timeout is this many times the p95 step time..."""
-HANG_ALLOWANCE_S = 60.0
-"""...except before a few steps were seen, and while a rank saves a checkpoint or recovers."""
-STORM_FAILURES = 5
-"""Failures in a row with no step committed between them: recovery cannot keep up, the run stops."""
+import torch.distributed as dist
+
+from dtk import recipe as recipes
+from dtk.metrics import append_event
+from dtk.resilience import checkpoint
+from dtk.resilience import protocol as keys
+from dtk.resilience.failures import committed_steps, describe_failure, lost_during_recovery
+from dtk.resilience.faults import FaultBoard
+from dtk.resilience.recovery import RecoveryFailed, RunState, RunView, recover_in_place
+from dtk.resilience.roles import nodes_named
+from dtk.resilience.watches import HangWatch, StormWatch, signal_name
+from dtk.rundir import tail
+
+log = logging.getLogger(__name__)
+POLL_SECONDS = 0.02
 
 
-def signal_name(code: int) -> str:
-    """A process's exit status as a person reads it: "killed by SIGKILL", "exit code 3"."""
-    if code < 0:
+class Host(Protocol):
+    """What the supervisor may do with this node's processes."""
+
+    def ranks(self) -> list[int]:
+        """The ranks this node runs now."""
+
+    def exit_codes(self) -> dict[int, int | None]:
+        """rank -> its exit status, None while it runs."""
+
+    def dead(self) -> list[int]:
+        """Ranks whose process has exited without success."""
+
+    def replace(self, rank: int, generation: int) -> dict: ...
+
+    def kill(self, rank: int) -> None: ...
+
+    def start(self, *, attempt: int, control: dist.Store, hosted: list[int] | None) -> None:
+        """Start the ranks (and shadows) of `attempt`: `hosted`, else those this node ran so far."""
+
+    def stop_all(self, grace_s: float = 3.0) -> None: ...
+
+    def replenish_shadows(self) -> list[int]: ...
+
+
+class NodeRole(Protocol):
+    """What the supervisor hears from the other nodes (dtk.resilience.roles: SingleNode, LeadNode, FollowerNode)."""
+
+    view: RunView
+    coordinates: bool
+    """Node 0 of several, in place or checkpoint: the view is the whole run, other nodes' deaths come here."""
+    reports: bool
+    """Another node, in place or checkpoint: node 0 recovers this node's ranks."""
+
+    def stopped_elsewhere(self) -> dict | None: ...
+
+    def never_joined(self, *, since: float, timeout_s: float) -> list[int]: ...
+
+    def absent_now(self) -> list[int]: ...
+
+    def fenced(self) -> str | None: ...
+
+    def lost_nodes(self, *, suspect: Callable[[], bool], active: Callable[[int], bool]) -> list[int]: ...
+
+    def ranks_of(self, node: int) -> list[int]: ...
+
+    def lost_node_of(self, rank: int) -> int | None: ...
+
+    def silence(self, node: int) -> float: ...
+
+    def remote_death(self, rank: int) -> dict: ...
+
+    def remote_failed(self) -> list[int]:
+        """Node 0 coordinating: the other nodes' dead ranks (reported, or lost with their node)."""
+
+    def tend(self, replace: Callable[[int, int], dict], dead: dict[int, dict]) -> tuple[int, list[int]] | None:
+        """Another node reporting: node 0's new restart (attempt, ranks), else report `dead` and serve `replace`."""
+
+    def follow(self, attempt: int) -> None: ...
+
+    def announce_restart(self, attempt: int) -> list[int] | None:
+        """A checkpoint restart starts: the ranks this node runs in it (None: the same as before)."""
+
+    def leave(self, code: int, *, fenced: bool, messages: list[str], failures: list[dict]) -> None:
+        """The run is over on this node: tell the others (and node 0 waits a while for them)."""
+
+
+class Progress(Protocol):
+    def update(self) -> None: ...
+
+
+class Supervisor:
+    """Watches this node's ranks and decides what the run does when one fails. `watch()` returns the exit code."""
+
+    def __init__(self, *, recipe: recipes.Recipe, run_dir: Path, host: Host, role: NodeRole, board: FaultBoard,
+                 state: RunState, store: dist.Store, world: int, node: int, absent_line: Callable[[list[int]], str]):
+        self.recipe, self.run_dir, self.host, self.role, self.board = recipe, run_dir, host, role, board
+        self.state, self.store, self.world, self.node = state, store, world, node
+        self.absent_line = absent_line
+        """Node 0's line for nodes that never joined (dtk.resilience.roles.absent_line)."""
+        self.hangs = HangWatch(fixed_s=recipe.resilience.heartbeat_timeout_s)
+        self.storm = StormWatch()
+        self.failures: list[dict] = []
+        self.messages: list[str] = []
+        self.remote_failures: list[dict] = []
+        """Failures another node's launcher reported when it stopped the run (multi-node)."""
+        self.reported_dead: dict[int, dict] = {}
+        """A follower's dead ranks, for node 0 to recover: rank -> {code, detected_at[, hang_detected_at]}."""
+        self.fenced = False
+        self.t_start = time.time()
+        self.t_train: float | None = None
+        self.resumed_at: float | None = None
+        self._all_started = False
+
+    # -- the attempt --
+    def start_attempt(self, attempt: int, hosted: list[int] | None = None) -> None:
+        """Start every rank (and the shadows) of an attempt; attempt 0 is the run's start, later ones restarts."""
+        if attempt or self.state.control is None:
+            self.state.attempt, self.state.generation = attempt, 0
+            self.state.control = keys.attempt_store(self.store, attempt)
+            self.hangs.reset()
+            self._all_started = False
+        if attempt and hosted is None:
+            hosted = self.role.announce_restart(attempt)  # node 0 of several: every node restarts with it
+        self.host.start(attempt=attempt, control=self.control, hosted=hosted)
+
+    @property
+    def control(self) -> dist.Store:
+        assert self.state.control is not None
+        return self.state.control
+
+    def finished(self, rank: int) -> bool:
+        return self.control.check([keys.done(rank)])
+
+    def started(self) -> bool:
+        """Every rank of this attempt has built its engine (remembered: the supervisor asks 50 times a second)."""
+        if not self._all_started:
+            self._all_started = all(self.control.check([keys.started(q)]) for q in self.host.ranks())
+        return self._all_started
+
+    # -- the watch loop --
+    def watch(self, progress: Progress) -> int:
+        next_progress, next_remote = 0.0, 0.0
+        while True:
+            if time.monotonic() >= next_progress:  # the ranks need the CPU more than the progress line does
+                progress.update()
+                next_progress = time.monotonic() + 0.2
+                if stop := self.role.stopped_elsewhere():
+                    return self._follow_stop(stop)
+                if absent := self.role.never_joined(since=self.t_start, timeout_s=self.recipe.world.timeout_s):
+                    self._stop([], self.absent_line(absent))
+                    return 1
+            self._random_faults()
+            running, failed = self._poll_ranks()
+            if failed is not None and not self._handle_failure(failed):
+                return 1
+            if said := self.role.fenced():
+                return self._fence(said)
+            if silent := self.role.lost_nodes(suspect=self._peer_gone_unknown, active=self._node_active):
+                if not self.role.coordinates:  # resilience.mode=none: nothing takes the lost ranks
+                    return self._stop_for_lost_nodes(silent)
+                next_remote = 0.0  # their ranks are dead now (Coordinator.dead): recovered below
+            if self.role.reports:
+                if restart := self.role.tend(self._replace_for_node0, self.reported_dead):
+                    self._follow_restart(*restart)
+                    continue
+            elif self.role.coordinates and time.monotonic() >= next_remote:
+                next_remote = time.monotonic() + 0.1
+                remote = [r for r in self.role.remote_failed() if not self.finished(r)]
+                if remote:
+                    if not self._handle_failure(sorted(set(remote) | {r for r in self.host.dead()
+                                                                      if not self.finished(r)})):
+                        return 1
+                    continue
+            if not running:
+                progress.update()
+                return 0
+            if self.started():
+                # every node reads every rank's beat: ranks waiting on a hung peer of another node are not hung
+                for rank in self.hangs.check(self.control, list(range(self.world))):
+                    if rank in self.host.ranks():
+                        self.host.kill(rank)  # a hung rank is removed; its death is then handled as any other
+            time.sleep(POLL_SECONDS)
+
+    def _random_faults(self) -> None:
+        if self.started() and self.resumed_at is None:
+            self.resumed_at = time.time()  # training (re)started: random faults may land again
+        if self.t_train is None and self.started():
+            self.t_train = time.time()  # random faults are drawn in training time, not start-up time
+        self.board.random_due(t_train=self.t_train, resumed_at=self.resumed_at)
+
+    def _poll_ranks(self) -> tuple[bool, list[int] | None]:
+        """(some rank still runs, the ranks to handle as failed now or None)."""
+        running = False
+        for rank, code in self.host.exit_codes().items():
+            if code is None:
+                running = True
+            elif code != 0 and not self.finished(rank):
+                if self.role.reports:  # node 0 recovers it: report it (NodeRole.tend), keep waiting
+                    death: dict = {"code": code, "detected_at": time.time()}
+                    if rank in self.hangs.hung:  # node 0 may not have seen it stall: say it was found hung here
+                        death["hang_detected_at"] = self.hangs.hung[rank]
+                    self.reported_dead.setdefault(rank, death)
+                    running = True
+                    continue
+                return True, sorted(r for r in self.role.view.dead() if not self.finished(r))
+            elif code != 0:
+                log.warning("rank %d finished its steps, then exited with %s (teardown); run kept", rank,
+                            signal_name(code))
+        return running, None
+
+    def _peer_gone_unknown(self) -> bool:
+        """Ranks recover while no failure is announced: their collectives to a peer broke, and no death explains it
+        (a lost host's ranks cannot be reported dead)."""
+        return self.hangs.recovering() and not self.control.check([keys.failure(self.state.generation)])
+
+    def _node_active(self, node: int) -> bool:
+        """Some rank that `node` runs has not finished (a node whose ranks are all done is not watched)."""
+        return any(not self.finished(r) for r in self.role.ranks_of(node))
+
+    # -- naming a failure --
+    def _exit_code(self, rank: int) -> int | None:
+        """None: the rank was on a lost node (nobody saw it exit)."""
+        codes = self.host.exit_codes()
+        if rank in codes:
+            return codes[rank]
+        return self.role.remote_death(rank).get("code")  # a rank of another node (node 0 coordinates)
+
+    def _describe(self, rank: int, *, code: int | None, t_detect: float) -> dict:
+        local = rank in self.host.ranks()
+        lost_node = None if local else self.role.lost_node_of(rank)
+        hung_at = None
+        if lost_node is None:  # a lost node's ranks stall too; another node's rank: found hung by its node
+            hung_at = self.hangs.hung.get(rank) if rank in self.hangs.hung or local else \
+                self.role.remote_death(rank).get("hang_detected_at")
+        return describe_failure(rank=rank, code=code, t_detect=t_detect, attempt=self.state.attempt,
+                                generation=self.state.generation, committed=committed_steps(self.run_dir),
+                                fired=self.board.attribute(rank), lost_node=lost_node,
+                                node_silent_s=self.role.silence(lost_node) if lost_node is not None else None,
+                                hung_at=hung_at)
+
+    # -- the policy --
+    def _handle_failure(self, ranks: list[int]) -> bool:
+        """Ranks died (usually one). Returns True when the run goes on (recovered), False when it stops."""
+        t_detect = time.time()
+        r = self.recipe.resilience
+        records = [self._describe(q, code=self._exit_code(q), t_detect=t_detect) for q in ranks]
+        host_down = {f["node_lost"]: f["fault_time"] for f in records
+                     if f.get("node_lost") is not None and f["fault_time"]}
+        for f in records:  # the ranks of a host killed on purpose died when it was killed
+            if f["fault_time"] is None and f.get("node_lost") in host_down:
+                f["fault_time"] = host_down[f["node_lost"]]
+        what = " and ".join(f"rank {f['rank']} failed ({f['fault']})" for f in records)
+        # progress that a recovery keeps: committed steps in place, the latest checkpoint for a restart
+        kept = (checkpoint.latest(self.run_dir) or (0, None))[0] if r.mode == "checkpoint" else records[0]["committed"]
+        self.storm.failed(committed=kept, t_detect=t_detect)
+        if (stop := self._verdict(what, len(records))) is not None:
+            return self._stop(records, stop)
+        if r.mode == "checkpoint":
+            return self._restart(records, t_detect=t_detect, action="restarted from checkpoint")
+        return self._recover(records, ranks, what=what, t_detect=t_detect)
+
+    def _verdict(self, what: str, count: int) -> str | None:
+        """The line that stops the run, or None when it may recover."""
+        r = self.recipe.resilience
+        if r.mode == "none":
+            return f"error: {what}; the run is stopped."
+        if len(self.failures) + count > r.max_failures:
+            return f"error: {what} (resilience.max_failures={r.max_failures} reached); the run is stopped."
+        if not self.started():
+            # before every rank has started, the others are still in their first rendezvous: nothing to keep
+            if absent := self.role.absent_now():
+                return self.absent_line(absent)  # the rendezvous timed out because a node never came: say which
+            return f"error: {what} before every rank started; the run is stopped."
+        if verdict := self.storm.verdict(self.failures):
+            return f"error: {verdict}."
+        return None
+
+    def _recover(self, records: list[dict], ranks: list[int], *, what: str, t_detect: float) -> bool:
         try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
+            generation, figures = recover_in_place(self.role.view, failed=set(ranks), t_detect=t_detect)
+        except RecoveryFailed as e:
+            append_event(self.run_dir, {"event": "in-place recovery failed", "ranks": ranks, "why": str(e)})
+            if self.recipe.checkpoint.every:
+                return self._restart(records, t_detect=t_detect,
+                                     action=f"in-place recovery failed ({e}); restarted from checkpoint")
+            return self._stop(records, f"error: {what}, and in-place recovery failed: {e}; the run is "
+                                       f"stopped (set checkpoint.every to fall back on a checkpoint).")
+        self.state.generation = generation
+        for extra in sorted(set(figures["lost_ranks"]) - set(ranks)):  # lost while recovering
+            records.append(lost_during_recovery(extra, like=records[0], attempt=self.state.attempt,
+                                                generation=generation, t_detect=t_detect))
+        for f in records:
+            f.update(figures)
+            self.failures.append(f)
+            append_event(self.run_dir, {"event": "failure", **f, "action": "recovered in place"})
+        self.hangs.reset()  # the replacement's heartbeats start afresh
+        self.resumed_at = time.time()
+        for sid in self.host.replenish_shadows():  # in the background: the run never waits for a shadow
+            log.info("shadow %d started to replace the one promoted", sid)
+        return True
 
+    def _restart(self, records: list[dict], *, t_detect: float, action: str) -> bool:
+        """The baseline: stop every rank, start them all again; they reload the latest checkpoint and redo steps."""
+        self.host.stop_all(grace_s=0.0)  # a failed attempt's ranks have nothing to save: SIGKILL, as a crash would
+        t_stopped = time.time()
+        found = checkpoint.latest(self.run_dir)
+        self.start_attempt(self.state.attempt + 1)
+        restart = {"recovery": "checkpoint restart", "stopped_at": t_stopped, "restart_attempt": self.state.attempt,
+                   "checkpoint_step": found[0] if found else 0}
+        self.resumed_at = None  # set again once every rank has started
+        for f in records:
+            f.update(restart)
+            self.failures.append(f)
+            append_event(self.run_dir, {"event": "failure", **f, "action": action})
+        return True
 
-class HangWatch:
-    """A started rank whose step has not advanced for the timeout is stalled. Of the stalled ranks, those with no
-    collective outstanding are the hung ones (the others are waiting for them); if all wait, all are hung.
+    def _stop(self, records: list[dict], message: str) -> bool:
+        self.host.stop_all()
+        for f in records:
+            self.failures.append(f)
+            append_event(self.run_dir, {"event": "failure", **f, "action": "stopped", "why": message})
+        self.messages.append(message)
+        for f in records:
+            if f.get("node_lost") is not None:
+                continue  # its log is on the lost host
+            log_path = self.run_dir / "logs" / f"rank{f['rank']}.log"
+            self.messages.append(f"  last lines of {log_path}:")
+            self.messages += [f"    {line}" for line in tail(log_path)]
+        return False
 
-    The timeout is `fixed_s` when the user gives one; otherwise it follows the run: HANG_STEP_MULTIPLE x the p95
-    of the step times the ranks report, at least HANG_FLOOR_S, and HANG_ALLOWANCE_S before 3 steps were seen or
-    while a rank saves a checkpoint or recovers."""
+    # -- the other nodes --
+    def _replace_for_node0(self, rank: int, generation: int) -> dict:
+        how = self.host.replace(rank, generation)
+        self.hangs.reset()  # the replacement's heartbeats start afresh
+        self.host.replenish_shadows()
+        return how
 
-    def __init__(self, *, fixed_s: float | None):
-        self.fixed_s = fixed_s
-        self.step_times: deque[float] = deque(maxlen=200)
-        self.reset()
+    def _follow_restart(self, attempt: int, hosted: list[int]) -> None:
+        """Node k > 0: node 0 restarted the run from a checkpoint: stop this node's ranks, start those it runs now."""
+        self.host.stop_all(grace_s=0.0)
+        self.reported_dead.clear()
+        self.role.follow(attempt)
+        self.start_attempt(attempt, hosted=hosted)
+        append_event(self.run_dir, {"event": "restart followed", "node": self.node, "attempt": attempt,
+                                    "ranks": hosted})
 
-    def reset(self) -> None:
-        self.seen: dict[int, tuple[int, float]] = {}
-        self.phases: dict[int, str] = {}
-        """Each rank's phase in its last beat read (train, checkpoint, recovery)."""
-        self.hung: dict[int, float] = {}
-        self._next_poll = 0.0
+    def _fence(self, said: str) -> int:
+        """Node 0 took this node for lost (it did not hear it for a while) and gives its ranks to other nodes: stop
+        them, so that no rank runs twice, and end without stopping the run."""
+        self.host.stop_all(grace_s=0.0)
+        self.fenced = True
+        self.messages.append(f"error: {said}; this node's ranks are stopped (node 0 recovers them elsewhere).")
+        return 1
 
-    def timeout_s(self, phases: set[str] = frozenset()) -> float:
-        if self.fixed_s is not None:
-            return self.fixed_s
-        if len(self.step_times) < 3 or phases & {"checkpoint", "recovery"}:
-            return HANG_ALLOWANCE_S
-        p95 = statistics.quantiles(self.step_times, n=20)[-1] if len(self.step_times) > 1 else self.step_times[0]
-        return max(HANG_FLOOR_S, HANG_STEP_MULTIPLE * p95)
+    def _stop_for_lost_nodes(self, nodes: list[int]) -> int:
+        who = nodes_named(nodes, nproc=self.recipe.world.nproc)
+        silent = max(self.role.silence(k) for k in nodes)
+        t_detect = time.time()
+        records = [self._describe(q, code=None, t_detect=t_detect) for k in nodes for q in self.role.ranks_of(k)]
+        self._stop(records, f"error: {who} went silent (its launcher was not heard for {silent:.1f}s: the host is lost "
+                            f"or cut off); the run is stopped; resilience.mode=inplace or checkpoint carries on with "
+                            f"its ranks on the other hosts.")
+        return 1
 
-    def recovering(self) -> bool:
-        """A rank's last beat said it is recovering: its collectives broke, so a peer is gone."""
-        return "recovery" in self.phases.values()
-
-    def describe(self) -> dict:
-        return {"heartbeat_timeout_s": self.timeout_s(), "mode": "fixed" if self.fixed_s is not None else "auto",
-                "step_times_seen": len(self.step_times)}
-
-    def check(self, control, ranks: list[int]) -> list[int]:
-        now = time.monotonic()
-        if now < self._next_poll:
-            return []
-        self._next_poll = now + 0.25
-        beats = {}
-        for r in ranks:
-            if control.check([f"beat/{r}"]):
-                beats[r] = json.loads(control.get(f"beat/{r}"))
-                self.phases[r] = beats[r].get("phase", "train")
-                step, since = self.seen.get(r, (-1, now))
-                if beats[r]["step"] != step:
-                    self.seen[r] = (beats[r]["step"], now)
-                    if beats[r].get("step_s"):
-                        self.step_times.append(beats[r]["step_s"])
-        timeout = self.timeout_s({b.get("phase", "train") for b in beats.values()})
-        stalled = [r for r in beats if r not in self.hung and now - self.seen[r][1] > timeout]
-        if len(stalled) < len(beats):
-            return []  # someone still makes progress: a slow step, not a hang
-        culprits = [r for r in stalled if beats[r]["outstanding"] == 0] or stalled
-        for r in culprits:
-            self.hung[r] = time.time()
-        return culprits
-
-
-class StormWatch:
-    """Failures that come faster than recovery makes progress: STORM_FAILURES in a row with no progress kept between
-    them (a step committed in place; a newer checkpoint for the checkpoint baseline, whose restarts lose the rest)."""
-
-    def __init__(self):
-        self.streak: list[dict] = []
-
-    def failed(self, *, committed: int, t_detect: float) -> None:
-        if self.streak and committed > self.streak[-1]["committed"]:
-            self.streak = []
-        self.streak.append({"committed": committed, "t": t_detect})
-
-    def verdict(self, failures: list[dict]) -> str | None:
-        """One line when the run should stop, else None."""
-        if len(self.streak) < STORM_FAILURES:
-            return None
-        span = self.streak[-1]["t"] - self.streak[0]["t"]
-        every = span / (len(self.streak) - 1)
-        took = [f["recovery_s"] for f in failures if f.get("recovery_s")]
-        recovery = (f"a recovery takes {statistics.median(took):.1f}s" if took
-                    else "no restart lasted until its next checkpoint")
-        return (f"failures come faster than recovery makes progress: {len(self.streak)} in a row {every:.1f}s "
-                f"apart, {recovery}, and the last step that advanced (and was kept) is {self.streak[-1]['committed']}; "
-                f"the run is stopped")
-
-
-def describe_failure(launcher, *, rank: int, code: int | None, t_detect: float) -> dict:
-    """What failed, when it was caused (if dtk caused it) and at which step. `code` None: nobody saw the rank exit
-    (it was lost with its node)."""
-    from dtk.metrics import read_jsonl
-    from dtk.resilience.faults import CORRUPT_EXIT
-
-    fired = [f for f in launcher.fired() if f["rank"] == rank and f["id"] not in launcher.attributed]
-    fired = [f for f in fired if f["kind"] != "slow"]
-    committed = len([r for r in read_jsonl(launcher.run_dir / "metrics.jsonl") if "loss" in r])
-    lost_node = launcher.lost_node_of(rank)
-    hung_at = launcher.hang_detected_at(rank) if lost_node is None else None  # a lost node's ranks stall too
-    exit_ = f"lost with node {lost_node}" if code is None else signal_name(code)
-    record = {"rank": rank, "exit": exit_, "attempt": launcher.attempt, "generation": launcher.generation,
-              "detected_at": t_detect, "step": committed, "committed": committed, "fault_time": None}
-    if fired:
-        f = fired[-1]
-        launcher.attributed.add(f["id"])
-        record.update(fault=f["kind"], step=f["at_step"], fault_time=f["time"], fault_spec=f["id"])
-    elif hung_at is not None:
-        record.update(fault="hang")
-    elif lost_node is not None:
-        record["fault"] = "host lost"
-    else:
-        record["fault"] = "corrupt" if code == CORRUPT_EXIT else signal_name(code)
-    if lost_node is not None:
-        record.update(detected_by="node heartbeat", node_lost=lost_node,
-                      node_silent_s=launcher.node_watch.lost[lost_node])
-    if code == CORRUPT_EXIT:
-        record["detected_by"] = "checksum"
-    if hung_at is not None:
-        record["detected_by"] = "heartbeat"
-        record["hang_detected_at"] = hung_at
-    return record
-
-
-def restart_from_checkpoint(launcher, *, t_detect: float) -> dict:
-    """The baseline: stop every rank, start them all again; they reload the latest checkpoint and redo steps."""
-    from dtk.resilience import checkpoint
-
-    launcher.stop_all(grace_s=0.0)  # a failed attempt's ranks have nothing to save: SIGKILL, as a crash would
-    t_stopped = time.time()
-    found = checkpoint.latest(launcher.run_dir)
-    launcher.start_attempt(launcher.attempt + 1)
-    return {"recovery": "checkpoint restart", "stopped_at": t_stopped, "restart_attempt": launcher.attempt,
-            "checkpoint_step": found[0] if found else 0}
-
-
-def _timelines(launcher, attempt: int) -> list[dict]:
-    import torch.distributed as dist
-
-    from dtk.resilience.control import attempt_prefix
-
-    store = dist.PrefixStore(attempt_prefix(attempt), launcher.store)
-    out = []
-    for r in range(launcher.world):
-        if store.check([f"started/{r}"]):
-            out.append(json.loads(store.get(f"started/{r}")))
-    return out
-
-
-def finalize_failures(launcher) -> None:
-    """Once the run is over, every failure gets its figures: detection, downtime and its breakdown, steps lost.
-    Downtime runs from the fault to the completion, after recovery, of the step the fault interrupted."""
-    from dtk.metrics import append_event, read_jsonl
-
-    records = [r for r in read_jsonl(launcher.run_dir / "metrics.jsonl") if "loss" in r]
-    for f in launcher.failures:
-        t_fault = f.get("fault_time") or f["detected_at"]
-        f["detect_s"] = f["detected_at"] - t_fault if f.get("fault_time") else None
-        back = [r for r in records if r["step"] == f["step"] and r.get("time", 0) > f["detected_at"]]
-        f["downtime_s"] = back[0]["time"] - t_fault if back else None
-        if f.get("recovery") == "checkpoint restart":
-            tl = _timelines(launcher, f["restart_attempt"])
-            start_step = tl[0]["start_step"] if tl else f["checkpoint_step"]
-            f["steps_lost"] = f["step"] - start_step
-            if tl:
-                last = lambda key: max(t[key] for t in tl)  # noqa: E731 - the slowest rank sets each stage's end
-                ready = last("loaded_at")
-                replayed = [r for r in records if start_step <= r["step"] < f["step"] and r.get("time", 0) > ready]
-                f["breakdown_s"] = {
-                    "detect": f["detect_s"] or 0.0,
-                    "stop": f["stopped_at"] - f["detected_at"],
-                    "process_start": last("main_at") - f["stopped_at"],
-                    "import": last("imported_at") - last("main_at"),
-                    "group_init": last("group_at") - last("imported_at"),
-                    "engine_build": last("engine_at") - last("group_at"),
-                    "checkpoint_load": ready - last("engine_at"),
-                    "replay": (max(r["time"] for r in replayed) - ready) if replayed else 0.0,
-                }
-        elif "recovery_s" in f:
-            t0 = f["detected_at"]
-            released = min(max(f["released_at"], t0), f["plan_at"])
-            f["breakdown_s"] = {
-                "detect": f["detect_s"] or 0.0,
-                "release": released - t0,
-                "plan": f["plan_at"] - released,
-                "regroup": f["regrouped_at"] - f["plan_at"],
-                "state_transfer": f["repaired_at"] - f["regrouped_at"],
-                "redo": back[0]["time"] - f["repaired_at"] if back else 0.0,
-            }
-        append_event(launcher.run_dir, {"event": "failure figures", **f})
-        with open(launcher.run_dir / "metrics.jsonl", "a") as out:  # rank 0 has stopped writing by now
-            out.write(json.dumps({"event": "failure", **f}) + "\n")
+    def _follow_stop(self, stop: dict) -> int:
+        self.host.stop_all()
+        self.remote_failures = stop["failures"]  # figured by their node already
+        other = stop["node"]
+        self.messages.append(f"error: node {other} stopped the run, so this node's ranks are stopped; node {other} "
+                             "said:")
+        self.messages += [f"  {line}" for line in stop["messages"]]
+        return 1

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dtk.errors import DtkError
+from dtk.recipe import Recipe
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -17,13 +18,15 @@ class BuildContext:
     """What a strategy needs to build its engine; the group is always the seam (a DtkGroup)."""
 
     model_factory: Callable[[], nn.Module]
-    recipe: object
+    recipe: Recipe
     group: dist.ProcessGroup
     device: torch.device
 
 
 class Engine(Protocol):
-    module: nn.Module
+    @property
+    def module(self) -> nn.Module:
+        """The model as the strategy wraps it (DDP, FSDP2's sharded module, DeepSpeed's engine)."""
 
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor, *, last_micro: bool) -> torch.Tensor:
         """One micro-step: forward, loss, backward (gradients reduced on the last micro-step); returns the loss."""

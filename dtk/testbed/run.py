@@ -13,13 +13,18 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dtk import recipe as recipes
 from dtk.errors import DtkError
 from dtk.metrics import append_event
 from dtk.resilience import faults as fl
+from dtk.resilience import protocol as keys
 from dtk.testbed import shape
 from dtk.testbed.net import Testbed
+
+if TYPE_CHECKING:  # torch is imported once the run starts
+    from torch.distributed import Store
 
 STORE_PORT = 29400
 """Node 0's store port; each test bed is a fresh namespace, so it is always free there."""
@@ -63,7 +68,7 @@ class TestbedRun:
         self.procs: list[subprocess.Popen] = []
         self._lock = threading.Lock()  # the live channel's thread and the main loop both shape and announce
         self._live_count = 0
-        self._store = None
+        self._store: Store | None = None
 
     # -- the launchers --
     def _spawn(self, node: int) -> subprocess.Popen:
@@ -93,12 +98,10 @@ class TestbedRun:
         if self._store is None:
             import torch.distributed as dist
 
-            from dtk.resilience.control import RUN_PREFIX
-
             store = dist.TCPStore(self.bed.ip(0), STORE_PORT, is_master=False, wait_for_workers=False,
                                   timeout=datetime.timedelta(seconds=timeout_s))
             store.set_timeout(datetime.timedelta(seconds=60))
-            self._store = dist.PrefixStore(RUN_PREFIX, store)
+            self._store = keys.run_store(store)
         return self._store
 
     def _store_listening(self) -> bool:
@@ -127,10 +130,10 @@ class TestbedRun:
                     self.armed[fault_id] = self.unannounced.pop(fault_id)
             for fault_id, c in list(self.armed.items()):
                 store = self._run_store()
-                if store.check([f"fired/{fault_id}"]):
-                    fired = json.loads(store.get(f"fired/{fault_id}"))
+                if store.check([keys.fired(fault_id)]):
+                    fired = json.loads(store.get(keys.fired(fault_id)))
                     self._congest(c, how="at its step", at_step=fired["at_step"])
-                    store.set(f"applied/{fault_id}", "1")
+                    store.set(keys.applied(fault_id), "1")
                     del self.armed[fault_id]
 
     def live_faults(self, specs: list[str]) -> list[str]:
@@ -233,7 +236,7 @@ def check_steps(faults: list, *, steps: int) -> None:
 def train_on_testbed(recipe: recipes.Recipe, *, recipe_path: str | None, hosts: int, faults: list,
                      show_progress: bool = True) -> tuple[int, Path]:
     """Run `recipe` with world.nproc ranks on each of `hosts` emulated hosts; returns (exit code, run folder)."""
-    from dtk.launch import prepare_run_dir
+    from dtk.rundir import prepare_run_dir
 
     check_steps(faults, steps=recipe.training.steps)
     recipes.check_parity_layout(recipe, nnodes=hosts)

@@ -1,0 +1,117 @@
+"""What the supervisor watches between failures: hung ranks (heartbeats that stop advancing) and storms (failures
+that come faster than recovery keeps progress); and how an exit status reads."""
+from __future__ import annotations
+
+import json
+import signal
+import statistics
+import time
+from collections import deque
+
+from dtk.resilience import protocol as keys
+
+HANG_FLOOR_S = 5.0
+"""The shortest automatic hang timeout: a step may stall this long on a loaded machine without being hung."""
+HANG_STEP_MULTIPLE = 10.0
+"""The automatic hang timeout is this many times the p95 step time..."""
+HANG_ALLOWANCE_S = 60.0
+"""...except before a few steps were seen, and while a rank saves a checkpoint or recovers."""
+STORM_FAILURES = 5
+"""Failures in a row with no step committed between them: recovery cannot keep up, the run stops."""
+
+
+def signal_name(code: int) -> str:
+    """A process's exit status as a person reads it: "killed by SIGKILL", "exit code 3"."""
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class HangWatch:
+    """A started rank whose step has not advanced for the timeout is stalled. Of the stalled ranks, those with no
+    collective outstanding are the hung ones (the others are waiting for them); if all wait, all are hung.
+
+    The timeout is `fixed_s` when the user gives one; otherwise it follows the run: HANG_STEP_MULTIPLE x the p95
+    of the step times the ranks report, at least HANG_FLOOR_S, and HANG_ALLOWANCE_S before 3 steps were seen or
+    while a rank saves a checkpoint or recovers."""
+
+    def __init__(self, *, fixed_s: float | None):
+        self.fixed_s = fixed_s
+        self.step_times: deque[float] = deque(maxlen=200)
+        self.reset()
+
+    def reset(self) -> None:
+        self.seen: dict[int, tuple[int, float]] = {}
+        self.phases: dict[int, str] = {}
+        """Each rank's phase in its last beat read (train, checkpoint, recovery)."""
+        self.hung: dict[int, float] = {}
+        self._next_poll = 0.0
+
+    def timeout_s(self, phases: frozenset[str] | set[str] = frozenset()) -> float:
+        if self.fixed_s is not None:
+            return self.fixed_s
+        if len(self.step_times) < 3 or phases & {"checkpoint", "recovery"}:
+            return HANG_ALLOWANCE_S
+        p95 = statistics.quantiles(self.step_times, n=20)[-1] if len(self.step_times) > 1 else self.step_times[0]
+        return max(HANG_FLOOR_S, HANG_STEP_MULTIPLE * p95)
+
+    def recovering(self) -> bool:
+        """A rank's last beat said it is recovering: its collectives broke, so a peer is gone."""
+        return "recovery" in self.phases.values()
+
+    def describe(self) -> dict:
+        return {"heartbeat_timeout_s": self.timeout_s(), "mode": "fixed" if self.fixed_s is not None else "auto",
+                "step_times_seen": len(self.step_times)}
+
+    def check(self, control, ranks: list[int]) -> list[int]:
+        now = time.monotonic()
+        if now < self._next_poll:
+            return []
+        self._next_poll = now + 0.25
+        beats = {}
+        for r in ranks:
+            if control.check([keys.beat(r)]):
+                beats[r] = json.loads(control.get(keys.beat(r)))
+                self.phases[r] = beats[r].get("phase", "train")
+                step, since = self.seen.get(r, (-1, now))
+                if beats[r]["step"] != step:
+                    self.seen[r] = (beats[r]["step"], now)
+                    if beats[r].get("step_s"):
+                        self.step_times.append(beats[r]["step_s"])
+        timeout = self.timeout_s({b.get("phase", "train") for b in beats.values()})
+        stalled = [r for r in beats if r not in self.hung and now - self.seen[r][1] > timeout]
+        if len(stalled) < len(beats):
+            return []  # someone still makes progress: a slow step, not a hang
+        culprits = [r for r in stalled if beats[r]["outstanding"] == 0] or stalled
+        for r in culprits:
+            self.hung[r] = time.time()
+        return culprits
+
+
+class StormWatch:
+    """Failures that come faster than recovery makes progress: STORM_FAILURES in a row with no progress kept between
+    them (a step committed in place; a newer checkpoint for the checkpoint baseline, whose restarts lose the rest)."""
+
+    def __init__(self):
+        self.streak: list[dict] = []
+
+    def failed(self, *, committed: int, t_detect: float) -> None:
+        if self.streak and committed > self.streak[-1]["committed"]:
+            self.streak = []
+        self.streak.append({"committed": committed, "t": t_detect})
+
+    def verdict(self, failures: list[dict]) -> str | None:
+        """One line when the run should stop, else None."""
+        if len(self.streak) < STORM_FAILURES:
+            return None
+        span = self.streak[-1]["t"] - self.streak[0]["t"]
+        every = span / (len(self.streak) - 1)
+        took = [f["recovery_s"] for f in failures if f.get("recovery_s")]
+        recovery = (f"a recovery takes {statistics.median(took):.1f}s" if took
+                    else "no restart lasted until its next checkpoint")
+        return (f"failures come faster than recovery makes progress: {len(self.streak)} in a row {every:.1f}s "
+                f"apart, {recovery}, and the last step that advanced (and was kept) is {self.streak[-1]['committed']}; "
+                f"the run is stopped")
