@@ -19,6 +19,11 @@ def _offline() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    try:
+        import transformers  # noqa: F401  (tokenizer folders are saved and loaded through it)
+    except ImportError:
+        raise DtkError('--tokenizer: tokenizers are saved and loaded through transformers, which is not installed; '
+                       'install the hf extra: pip install -e ".[hf]"') from None
 
 
 def tokenizer_hash(tokenizer) -> str:
