@@ -127,17 +127,46 @@ def random_tokens(folder: Path, *, nbytes: int) -> Path:
     return folder
 
 
+RANK_DATA = """
+import sys
+from dtk.data.tokens import TokenFile
+
+def hwm():  # this address space's peak RSS (ru_maxrss would carry the parent's over exec)
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM"))
+
+before = hwm()
+data = TokenFile(path=sys.argv[1], seq_len=128, seed=0, world=2)
+built = hwm()
+for step in range(int(sys.argv[2])):
+    data.batch(step=step, rank=0, micro=0, size=16)
+print(before, built, hwm())
+"""
+
+
 def part_memory(*, steps: int, workdir: Path) -> dict:
+    """Per size: (a) a rank's data alone: a fresh process maps the file and draws `10 x steps` micro-batches, its
+    peak RSS (VmHWM) before, after building, after drawing; (b) a whole `dtk train` run, summary peaks per rank.
+    The files are written by a child process: a parent's peak RSS would be inherited by the ranks' ru_maxrss."""
     out = {}
     for label, nbytes in (("10MB", 10 * 10**6), ("1GB", 10**9)):
-        folder = random_tokens(workdir / f"tokens-{label}", nbytes=nbytes)
+        folder = workdir / f"tokens-{label}"
+        subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {str(ROOT / 'benchmarks')!r}); "
+                        f"import data; from pathlib import Path; data.random_tokens(Path({str(folder)!r}), "
+                        f"nbytes={nbytes})"], check=True, env=env(), cwd=ROOT)
         try:
+            p = subprocess.run([sys.executable, "-c", RANK_DATA, str(folder), str(10 * steps)], capture_output=True,
+                               text=True, check=True, env=env(), cwd=ROOT)
+            before, built, drawn = map(int, p.stdout.split())
             s = train(f"data.path={folder}", workdir=workdir, steps=steps)
         finally:
-            shutil.rmtree(folder)  # the 1 GB file lives only for its run
-        out[label] = {"peak_per_rank": s["peak_per_rank"], "windows": (nbytes // 2 - 1) // 128}
+            shutil.rmtree(folder)  # the 1 GB file lives only for its runs
+        out[label] = {"data_only_hwm": {"before": before, "built": built, "after_batches": drawn},
+                      "data_only_growth_mb": (drawn - before) / 2**20, "train_peak_per_rank": s["peak_per_rank"],
+                      "windows": (nbytes // 2 - 1) // 128}
         print(f"memory {label}: {out[label]}", flush=True)
-    out["growth_per_rank_mb"] = [(b - a) / 2**20 for a, b in zip(out["10MB"]["peak_per_rank"], out["1GB"]["peak_per_rank"])]
+    out["data_only_growth_mb"] = out["1GB"]["data_only_growth_mb"] - out["10MB"]["data_only_growth_mb"]
+    out["growth_per_rank_mb"] = [(b - a) / 2**20 for a, b in zip(out["10MB"]["train_peak_per_rank"],
+                                                                  out["1GB"]["train_peak_per_rank"])]
     return out
 
 

@@ -1,14 +1,16 @@
-"""Memory-mapped token files that `dtk data prepare` wrote (train.bin, val.bin, meta.json): windows of seq_len + 1
-tokens, drawn without replacement within an epoch, by (seed, step, rank, micro) so a resumed run sees the same.
+"""Token files that `dtk data prepare` wrote (train.bin, val.bin: flat arrays as np.memmap reads them; meta.json):
+windows of seq_len + 1 tokens, drawn without replacement within an epoch, by (seed, step, rank, micro) so a resumed
+run sees the same.
 
 Epoch e visits the train windows in the order of a pseudo-random permutation drawn from (seed, e): a 4-round Feistel
 network on the next even power of two, cycle-walked into range. It is computed per index, so a rank holds no
-permutation table and its resident memory does not grow with the corpus; the file is mapped per batch and unmapped
-after it (as nanoGPT does), so the pages a batch read do not stay counted against the rank either.
+permutation table; a window is read by one positioned read of its bytes, so the file itself never counts against
+the rank's resident memory (only the OS page cache holds it), whatever its size.
 """
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -109,10 +111,16 @@ class TokenFile:
         return out
 
     def _read(self, split: str, windows: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        n = self.spec.seq_len
-        mm = np.memmap(self.root / f"{split}.bin", dtype=self.dtype, mode="r")
-        rows = np.stack([mm[w * n:w * n + n + 1] for w in windows.tolist()]).astype(np.int64)
-        del mm  # unmapped: the pages read are not this rank's to keep
+        n, item = self.spec.seq_len, self.dtype.itemsize
+        # Positioned reads, not a mapping: faulting a mapped file brings in whole page-cache folios, which raised a
+        # rank's peak RSS by ~35 MB per 16-window batch on a 1 GB file (12 MB on a 10 MB one); pread copies only
+        # the window's bytes (3 MB for both; BENCHMARKS.md).
+        fd = os.open(self.root / f"{split}.bin", os.O_RDONLY)
+        try:
+            rows = np.stack([np.frombuffer(os.pread(fd, (n + 1) * item, w * n * item), dtype=self.dtype)
+                             for w in windows.tolist()]).astype(np.int64)
+        finally:
+            os.close(fd)
         t = torch.from_numpy(rows)
         return t[:, :-1], t[:, 1:]
 
