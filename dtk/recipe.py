@@ -303,53 +303,11 @@ def _hf_lines(r: Recipe, token_data: bool, *, data_ok: bool = True) -> list[str]
 
 
 def _data_lines(r: Recipe) -> list[str]:
-    """data.target, data.name tokens and eval.every: what the ranks would refuse, found before they start."""
-    d, lines = r.data, []
-    if d.target is not None:
-        from dtk.data.target import target_problems  # imports the user's module (and dtk.data: torch)
+    if r.data.target is None and r.data.name != "tokens" and not r.eval.every:
+        return []  # nothing to check, and no torch to import for it
+    from dtk.data.checks import data_problems  # numpy, torch and maybe the user's module: only when asked
 
-        return target_problems(d.target)  # whether it has a validation split is known once a rank builds it
-    if d.name == "tokens":
-        if not d.path:
-            return ["data.path: missing; data 'tokens' needs the folder `dtk data prepare` wrote"]
-        if not Path(d.path).is_dir():
-            return [f"data.path: got {d.path!r}; no such folder; accepted: a folder `dtk data prepare` wrote"]
-        from dtk.data.tokens import read_meta  # numpy and torch: only for a tokens recipe
-        try:
-            meta = read_meta(d.path)
-        except DtkError as e:
-            return e.lines
-        if r.model.hf is not None and r.model.hf.path is not None:
-            lines += _tokenizer_lines(r.model.hf.path, meta, d.path)
-    if r.eval.every and r.strategy.name.startswith("gcpsl"):
-        lines.append(f"eval.every: got {r.eval.every}; strategy.name {r.strategy.name!r} measures its own held-out "
-                     f"accuracy; accepted: eval.every: 0 with it, or ddp, fsdp, zero1, zero2, zero3")
-    elif r.eval.every:
-        split = {"synthetic": None, "digits": "data.held_out > 0" if not d.held_out else "",
-                 "text": "data.held_out > 0" if not d.held_out else "", "cifar10": "", "tokens": ""}[d.name]
-        if split != "":
-            accepted = f"set {split}, or eval.every: 0" if split else "eval.every: 0 (synthetic data has none)"
-            lines.append(f"eval.every: got {r.eval.every}; data {d.name!r} has no validation split here; "
-                         f"accepted: {accepted}")
-    return lines
-
-
-def _tokenizer_lines(model_path: str, meta: dict, data_path: str) -> list[str]:
-    """A pretrained model reads the ids its own tokenizer makes: the data's tokenizer must be the same one."""
-    from dtk.data import vocab
-
-    if not vocab.has_tokenizer(model_path):
-        return []  # nothing to compare with; the vocabulary size is checked against the model's config
-    try:
-        theirs = vocab.load_tokenizer(model_path, flag="model.hf.path")
-    except DtkError as e:
-        return e.lines
-    ours = meta.get("tokenizer", {}).get("hash")
-    if vocab.tokenizer_hash(theirs) != ours:
-        return [f"data.path: {data_path!r} was tokenized by another tokenizer than model.hf.path {model_path!r}'s "
-                f"(vocab {meta.get('vocab_size')} vs {len(theirs)}, hash {str(ours)[:12]} vs "
-                f"{vocab.tokenizer_hash(theirs)[:12]}); accepted: data prepared with --tokenizer {model_path}"]
-    return []
+    return data_problems(r)
 
 
 # layers in order of each built-in image model (dtk.models: layers_in_order); the cut must fall between two
