@@ -113,7 +113,9 @@ def _print_run_result(run_dir, code: int) -> None:
                   f"{summary['throughput']:,.0f} {summary['throughput_unit']}, "
                   f"p50 step {summary['step_time_p50'] * 1000:.0f} ms, "
                   f"peak {human_bytes(summary['peak_memory_bytes'])}, "
-                  f"comm {human_bytes(summary['comm']['bytes_per_step'])}/step; run folder {run_dir}")
+                  f"comm {human_bytes(summary['comm']['bytes_per_step'])}/step"
+                  + (f", eval loss {summary['eval_loss']:.4f}" if summary.get("eval_loss") is not None else "")
+                  + f"; run folder {run_dir}")
         for f in summary["failures"]:
             out.print(f"  recovered: rank {f['rank']} ({f['fault']}) at step {f.get('step')}, "
                       f"downtime {_fmt(f.get('downtime_s'))}s, {f.get('steps_lost', 0)} steps lost", highlight=False)
@@ -167,6 +169,43 @@ def datasets() -> None:
     from dtk.data import DATASETS
 
     _listing("data sets", DATASETS)
+
+
+data_app = typer.Typer(no_args_is_help=True, help="Your own data: tokenize a corpus once into memory-mapped tokens.")
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("prepare")
+def data_prepare(
+    sources: Annotated[Optional[list[str]], typer.Argument(
+        help="Text files (.txt, .md), .jsonl, .parquet, folders of them, or a datasets save_to_disk folder.")] = None,
+    out_dir: Annotated[Optional[str], typer.Option("--out", help="The folder to write (new or empty): train.bin, val.bin, "
+                                                             "meta.json, tokenizer/.")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(help="A local HF tokenizer folder (tokenizer.json, as "
+                                                          "save_pretrained writes it).")] = None,
+    train_tokenizer: Annotated[Optional[int], typer.Option(metavar="VOCAB", help="Train a byte-level BPE of this "
+                                                           "vocabulary on the corpus instead (offline).")] = None,
+    field: Annotated[str, typer.Option(help="The text field of .jsonl rows / column of .parquet and saved "
+                                            "datasets.")] = "text",
+    val_share: Annotated[float, typer.Option(help="Share of the tokens (the corpus's last) kept for validation; at "
+                                                  "least one sequence.")] = 0.005,
+    val: Annotated[Optional[list[str]], typer.Option(help="A given validation set instead of --val-share; "
+                                                          "repeatable.")] = None,
+    seq_len: Annotated[int, typer.Option(help="The context recorded in meta.json (data.seq_len's default).")] = 256,
+    num_proc: Annotated[int, typer.Option(min=0, help="Tokenizer threads (and datasets' loading processes); 0 = "
+                                                      "every core.")] = 0,
+    progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
+) -> None:
+    """Tokenize a corpus into DIR: train.bin / val.bin (uint16 or uint32), meta.json, the tokenizer; then train with
+    data.name=tokens data.path=DIR."""
+    if not out_dir:
+        raise DtkError("--out: missing; accepted: --out DIR, a new or empty folder")
+    from dtk.data.prepare import prepare, summary_line
+
+    meta = prepare(sources=list(sources or []), out=out_dir, tokenizer=tokenizer, train_tokenizer=train_tokenizer,
+                   field=field, val_share=val_share, val=list(val or []), seq_len=seq_len, num_proc=num_proc,
+                   progress=progress)
+    out.print(summary_line(meta, out_dir), highlight=False)
 
 
 @app.command()

@@ -114,7 +114,7 @@ def run_rank() -> None:
     timeline["group_at"] = time.time()
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
-    dataset = build_dataset(recipe.data, seed=recipe.training.seed)
+    dataset = build_dataset(recipe.data, seed=recipe.training.seed, world=world, grad_accum=recipe.training.grad_accum)
     model = build_model(recipe.model, dataset.spec, seed=recipe.training.seed)
     prebuilt = [model]  # built before a shadow knows its rank: the model is the same for every rank
 

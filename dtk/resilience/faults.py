@@ -35,9 +35,10 @@ FAULTS: dict[str, str] = {
     "congest": "test bed only (--testbed H): from step S shape a host's link (host=I) or one path (pair=I-J) to "
                "rate=R: congest:pair=0-1,rate=200mbit,step=5",
 }
-PHASES = ("forward", "backward", "optimizer", "commit", "recovery")
+PHASES = ("forward", "backward", "optimizer", "commit", "recovery", "eval")
 """optimizer: before the rank's update; commit: after its update, before it counts the step; recovery: while the
-rank takes part in an in-place recovery, after the regroup and before the state is sent."""
+rank takes part in an in-place recovery, after the regroup and before the state is sent; eval: in the evaluation at
+the boundary of S steps done (eval.every), after its first batch."""
 CORRUPT_EXIT = 75
 """Exit code of a rank that found its local state corrupted."""
 CONGEST_WAIT_S = 120.0
