@@ -269,6 +269,13 @@ class Launcher:
                 out.append(json.loads(self.run_store.get(key)))
         return out
 
+    def fired_ids(self) -> list[str]:
+        """For summary.json: a chaos run whose faults did not fire tested nothing, and the CLI says so."""
+        try:
+            return [f["id"] for f in self.fired()]
+        except dist_error():
+            return []  # node 0's store is gone (another node's launcher, at the end)
+
     def _announced(self) -> list[dict]:
         out = []
         for rank in range(self.world):
@@ -374,6 +381,7 @@ class Launcher:
             write_summary(self.run_dir, wall_seconds=time.time() - self.t_start,
                           failures=self.failures + self.remote_failures,
                           exit_code=code, shadows=shadows, name=self.summary_name, world_size=self.world,
+                          faults_fired=self.fired_ids(),
                           resilience={"mode": self.recipe.resilience.mode, **self.hangs.describe()})
             if self.topology.nnodes > 1:
                 self._leave(code)
@@ -663,7 +671,7 @@ def _rank_preexec() -> None:
 def launch(recipe: recipes.Recipe, *, recipe_path: str | None, topology: Topology | None = None,
            show_progress: bool = True, inject: list | None = None, fault_schedule: list | None = None,
            schedule_kind: str = "kill", live_control: bool = True) -> tuple[int, Path]:
-    recipes.check_parity_layout(recipe, nnodes=(topology or Topology()).nnodes)
+    recipes.check_launch(recipe, nnodes=(topology or Topology()).nnodes)
     run_dir = prepare_run_dir(recipe, recipe_path)
     launcher = Launcher(recipe=recipe, run_dir=run_dir, topology=topology or Topology(), show_progress=show_progress,
                         faults=list(inject or []), fault_schedule=list(fault_schedule or []), schedule_kind=schedule_kind,
