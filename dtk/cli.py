@@ -106,7 +106,7 @@ def train(
     code, run_dir = launch(r, recipe_path=recipe, topology=topo, show_progress=progress, inject=parsed,
                            live_control=live_control)
     if node_rank:  # node 0 prints the run's result; another node says how its own part ended
-        state = {0: "done", 130: "interrupted"}.get(code, "failed")
+        state = {0: "done", 130: "interrupted", 143: "interrupted (SIGTERM)"}.get(code, "failed")
         out.print(f"node {node_rank}: {state}; its summary: {run_dir / f'summary-node{node_rank}.json'} "
                   f"(node 0 writes the run's summary.json)", highlight=False)
     else:
@@ -129,13 +129,14 @@ def _print_run_result(run_dir, code: int) -> None:
         for f in summary["failures"]:
             out.print(f"  recovered: rank {f['rank']} ({f['fault']}) at step {f.get('step')}, "
                       f"downtime {_fmt(f.get('downtime_s'))}s, {f.get('steps_lost', 0)} steps lost", highlight=False)
-    elif code == 130:
+    elif code in (130, 143):  # Ctrl-C; SIGTERM (Slurm, Kubernetes), after the ranks saved the step they were at
         from dtk.resilience import checkpoint
 
         found = checkpoint.latest(run_dir)
         resume = (f"resumable from the checkpoint of step {found[0]}: run the same command with "
                   f"output.dir={run_dir}" if found else "not resumable: no checkpoint was saved (set checkpoint.every)")
-        out.print(f"[yellow]interrupted[/] at step {summary['steps']}; {resume}", highlight=False)
+        by = " (SIGTERM)" if code == 143 else ""
+        out.print(f"[yellow]interrupted{by}[/] at step {summary['steps']}; {resume}", highlight=False)
     else:
         out.print(f"[red]failed[/]: run folder {run_dir}", highlight=False)
 

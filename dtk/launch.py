@@ -24,7 +24,7 @@ from dtk.errors import DtkError
 from dtk.metrics import append_event
 from dtk.report import ProgressLine, write_summary
 from dtk.resilience import faults
-from dtk.resilience.control import RUN_PREFIX, attempt_prefix
+from dtk.resilience.control import PREEMPT_KEY, RUN_PREFIX, attempt_prefix
 from dtk.resilience.live import LiveControl
 from dtk.resilience.recovery import RecoveryFailed, recover_in_place
 from dtk.resilience.shadow import ShadowPool
@@ -36,6 +36,9 @@ POLL_SECONDS = 0.02
 SHADOW_IDS_PER_NODE = 1000
 LEAVE_WAIT_S = 15.0
 """How long node 0's launcher (it hosts the store) waits at the end for the other nodes' launchers to leave."""
+PREEMPT_WAIT_S = 120.0
+"""After SIGTERM, how long the ranks may take to finish their step and save it before they are stopped."""
+SIGTERM_EXIT = 128 + signal.SIGTERM
 
 
 @dataclass(kw_only=True, slots=True)
@@ -352,6 +355,9 @@ class Launcher:
         self.t_start = time.time()
         self.t_train: float | None = None
         self._resumed_at: float | None = None
+        self._sigterm = False
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
         self.start_attempt(0)
         progress = ProgressLine(self.run_dir, total=self.recipe.training.steps, enabled=self.show_progress)
         code = 0
@@ -370,6 +376,8 @@ class Launcher:
             self.messages.append(f"error: node {self.topology.node_rank} lost the run's store on node 0 ({e!s:.80}); "
                                  "its ranks are stopped.")
         finally:
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
             if live is not None:
                 live.close()
             shadows = self.shadows.summary() if self.shadows else {"count": 0, "promotions": 0, "rss_bytes": []}
@@ -386,6 +394,22 @@ class Launcher:
             if self.topology.nnodes > 1:
                 self._leave(code)
         return code
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self._sigterm = True  # acted on by the watch loop, between two of its decisions (never mid-recovery)
+
+    def _preempt(self) -> int:
+        """SIGTERM (Slurm, Kubernetes): like Ctrl-C, but with checkpoints on, every rank first finishes its step and
+        saves it (dtk.trainer), so that a preempted job loses nothing."""
+        saving = bool(self.recipe.checkpoint.every) and self._started()
+        append_event(self.run_dir, {"event": "interrupted", "by": "SIGTERM", "saving": saving})
+        if saving:
+            self.control.set(PREEMPT_KEY, "1")
+            deadline = time.monotonic() + PREEMPT_WAIT_S
+            while time.monotonic() < deadline and any(p.poll() is None for p in self.procs.values()):
+                time.sleep(POLL_SECONDS)
+        self.stop_all()
+        return SIGTERM_EXIT
 
     def _finished(self, rank: int) -> bool:
         return self.control.check([f"done/{rank}"])
@@ -490,6 +514,8 @@ class Launcher:
     def _supervise(self, progress) -> int:
         next_random, next_progress, next_remote = 0, 0.0, 0.0
         while True:
+            if self._sigterm:
+                return self._preempt()
             if time.monotonic() >= next_progress:  # the ranks need the CPU more than the progress line does
                 progress.update()
                 next_progress = time.monotonic() + 0.2
@@ -657,9 +683,11 @@ class Launcher:
 
 
 def _rank_preexec() -> None:
-    """In a rank's process before exec: die with the launcher (Linux), and ignore Ctrl-C (the launcher handles it
-    for the whole run: it stops the ranks and says where the run stands)."""
+    """In a rank's process before exec: die with the launcher (Linux), ignore Ctrl-C (the launcher handles it for
+    the whole run: it stops the ranks and says where the run stands), and block SIGTERM (its mask is kept across
+    exec; dtk.worker's watch thread tells the launcher's from another's)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # taken by one thread of the rank (dtk.worker)
     try:
         import ctypes
 
@@ -671,9 +699,16 @@ def _rank_preexec() -> None:
 def launch(recipe: recipes.Recipe, *, recipe_path: str | None, topology: Topology | None = None,
            show_progress: bool = True, inject: list | None = None, fault_schedule: list | None = None,
            schedule_kind: str = "kill", live_control: bool = True) -> tuple[int, Path]:
-    recipes.check_launch(recipe, nnodes=(topology or Topology()).nnodes)
+    topology = topology or Topology()
+    recipes.check_launch(recipe, nnodes=topology.nnodes)
+    if recipe.output.dir and recipe.checkpoint.resume == "auto" and topology.nnodes == 1:
+        from dtk.resilience.checkpoint import resume_line
+
+        # ranks skip the same damaged checkpoints: say which, and why (several nodes: check_shared, in run)
+        if line := resume_line(recipe.output.dir):
+            print(f"note: {line}", file=sys.stderr)
     run_dir = prepare_run_dir(recipe, recipe_path)
-    launcher = Launcher(recipe=recipe, run_dir=run_dir, topology=topology or Topology(), show_progress=show_progress,
+    launcher = Launcher(recipe=recipe, run_dir=run_dir, topology=topology, show_progress=show_progress,
                         faults=list(inject or []), fault_schedule=list(fault_schedule or []), schedule_kind=schedule_kind,
                         live_control=live_control)
     return launcher.run(), run_dir

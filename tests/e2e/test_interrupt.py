@@ -16,8 +16,10 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("every", [0, 3])
-def test_ctrl_c_says_where_the_run_stands(tmp_path, every):
+@pytest.mark.parametrize("sig, every", [(signal.SIGINT, 0), (signal.SIGTERM, 3)], ids=["ctrl-c", "sigterm"])
+def test_an_interrupt_says_where_the_run_stands(tmp_path, sig, every):
+    """Ctrl-C reaches the launcher and every rank (a terminal's foreground group); so does SIGTERM from Slurm
+    (every process of the job step). SIGTERM with checkpoints on: every rank finishes its step and saves it."""
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "dtk.cli", "train", str(RECIPES / "quickstart.yaml"), *TINY, "training.steps=100000",
            f"checkpoint.every={every}", f"output.dir={run_dir}", "--no-progress"]
@@ -30,23 +32,30 @@ def test_ctrl_c_says_where_the_run_stands(tmp_path, every):
                 break
             time.sleep(0.1)
         ranks = json.loads((run_dir / "ranks.json").read_text())["ranks"]
-        # a terminal's Ctrl-C reaches the whole foreground group: the launcher and every rank
         for pid in [proc.pid, *ranks.values()]:
             try:
-                os.kill(pid, signal.SIGINT)
+                os.kill(pid, sig)
             except ProcessLookupError:
                 pass
         out, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, out + err
+    assert proc.returncode == 128 + sig, out + err
     steps = len([r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r])
-    assert f"interrupted at step {steps}" in out and "failed" not in out
+    by = " (SIGTERM)" if sig == signal.SIGTERM else ""
+    assert f"interrupted{by} at step {steps}" in out and "failed" not in out
     assert ("resumable from the checkpoint" in out) == bool(every)
     assert ("not resumable" in out) == (not every)
     assert "Traceback" not in out + err
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "interrupted"
+    if sig == signal.SIGTERM:  # nothing lost: the step it stopped at was saved, and the run resumes from it
+        assert f"resumable from the checkpoint of step {steps}:" in out
+        p = run_dtk("train", RECIPES / "quickstart.yaml", *TINY, f"training.steps={steps + 2}",
+                    f"checkpoint.every={every}", f"output.dir={run_dir}", "--no-progress")
+        assert p.returncode == 0, p.stderr
+        assert f"at step {steps}" in (run_dir / "logs" / "rank0.log").read_text()
+        assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r] == list(range(steps + 2))
 
 
 def test_a_recipe_that_is_not_text_is_one_line(tmp_path):
