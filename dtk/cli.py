@@ -119,7 +119,11 @@ def _print_run_result(run_dir, code: int) -> None:
 
     from dtk.report import human_bytes
 
-    summary = json.loads((run_dir / "summary.json").read_text())
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):  # not written (a full disk: the launcher said so)
+        out.print(f"[red]failed[/]: run folder {run_dir}", highlight=False)
+        return
     if code == 0:
         out.print(f"[green]done[/]: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
                   f"{summary['throughput']:,.0f} {summary['throughput_unit']}, "

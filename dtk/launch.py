@@ -7,6 +7,7 @@ restarts it from a checkpoint (`resilience.mode: checkpoint`) or recovers it in 
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from dtk.errors import DtkError
 from dtk.metrics import append_event
 from dtk.report import ProgressLine, write_summary
 from dtk.resilience import faults
+from dtk.resilience.checkpoint import DISK_FULL, disk_full_line
 from dtk.resilience.control import PREEMPT_KEY, RUN_PREFIX, attempt_prefix
 from dtk.resilience.live import LiveControl
 from dtk.resilience.recovery import RecoveryFailed, recover_in_place
@@ -361,9 +363,15 @@ class Launcher:
         self.start_attempt(0)
         progress = ProgressLine(self.run_dir, total=self.recipe.training.steps, enabled=self.show_progress)
         code = 0
+        disk_full = False
         try:
             with progress:
                 code = self._supervise(progress)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            self.stop_all()
+            code, disk_full = 1, True
         except KeyboardInterrupt:
             self.stop_all()
             code = 130
@@ -383,14 +391,21 @@ class Launcher:
             shadows = self.shadows.summary() if self.shadows else {"count": 0, "promotions": 0, "rss_bytes": []}
             if self.shadows:
                 self.shadows.stop()
+            try:
+                finalize_failures(self)
+                write_summary(self.run_dir, wall_seconds=time.time() - self.t_start,
+                              failures=self.failures + self.remote_failures,
+                              exit_code=code, shadows=shadows, name=self.summary_name, world_size=self.world,
+                              faults_fired=self.fired_ids(),
+                              resilience={"mode": self.recipe.resilience.mode, **self.hangs.describe()})
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                code, disk_full = code or 1, True
+            if disk_full or (code and any(DISK_FULL in line for line in self.messages)):
+                self.messages = [disk_full_line(self.run_dir)]  # a rank's traceback would only repeat it
             for line in self.messages:
                 print(line, file=sys.stderr)
-            finalize_failures(self)
-            write_summary(self.run_dir, wall_seconds=time.time() - self.t_start,
-                          failures=self.failures + self.remote_failures,
-                          exit_code=code, shadows=shadows, name=self.summary_name, world_size=self.world,
-                          faults_fired=self.fired_ids(),
-                          resilience={"mode": self.recipe.resilience.mode, **self.hangs.describe()})
             if self.topology.nnodes > 1:
                 self._leave(code)
         return code

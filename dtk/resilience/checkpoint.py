@@ -65,6 +65,20 @@ def resume_line(run_dir: str | Path) -> str:
     return ""
 
 
+DISK_FULL = "No space left on device"
+"""strerror(ENOSPC), as a rank's log or an OSError says it."""
+
+
+def disk_full_line(run_dir: str | Path) -> str:
+    """The one line for a run stopped by a full disk: which folder, and what is kept (the newest whole checkpoint)."""
+    found = latest(run_dir)
+    kept = (f"the checkpoint of step {found[0]} ({found[1]}) is whole: free some space, or move the folder to a "
+            f"larger disk, and run the same command with output.dir=<the folder> to resume from it" if found else
+            "no whole checkpoint was saved before: free some space, or set output.dir on a larger disk, and start "
+            "again")
+    return f"error: output.dir: the disk holding {run_dir} is full ({DISK_FULL}); the run is stopped; {kept}."
+
+
 def write_manifest(path: Path) -> None:
     """After the save returned on every rank: what a whole checkpoint holds, from its .metadata (every rank's files,
     even those on another host's disk); written last and atomically, so that its presence means a whole save."""

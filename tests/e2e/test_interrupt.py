@@ -1,8 +1,10 @@
-"""Ctrl-C during `dtk train` and a recipe that is not text: what a person sees (one line each, no traceback)."""
+"""Ctrl-C or SIGTERM during `dtk train`, a disk that fills, and a recipe that is not text: what a person sees (one
+line each, no traceback)."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -64,3 +66,33 @@ def test_a_recipe_that_is_not_text_is_one_line(tmp_path):
     p = run_dtk("train", bad, f"output.dir={tmp_path / 'run'}")
     assert p.returncode == 2 and p.stderr.startswith("error: recipe:") and "not UTF-8 text" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(120)
+def test_a_full_disk_is_one_line_and_the_folder_moved_to_a_larger_one_resumes(tmp_path):
+    """The run folder on a 6 MB file system (the quickstart model's checkpoints are ~5 MB each): it fills at the second
+    checkpoint. One line says which folder, that the disk is full and which checkpoint is whole."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(small)], check=True)
+    try:
+        args = [RECIPES / "quickstart.yaml", "training.steps=30", "checkpoint.every=5", "--no-progress"]
+        p = run_dtk("train", *args, f"output.dir={small / 'run'}", timeout=90)
+        shutil.copytree(small / "run", tmp_path / "big")
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert p.stderr.strip() == (f"error: output.dir: the disk holding {small / 'run'} is full (No space left on "
+                                f"device); the run is stopped; the checkpoint of step 5 "
+                                f"({small / 'run' / 'checkpoints' / 'step_5'}) is whole: free some space, or move the "
+                                f"folder to a larger disk, and run the same command with output.dir=<the folder> to "
+                                f"resume from it.")
+    assert "Traceback" not in p.stdout
+    assert not list((tmp_path / "big").glob(".summary.json.*")), "no half-written summary is left behind"
+    again = run_dtk("train", *args[:1], "training.steps=7", *args[2:], f"output.dir={tmp_path / 'big'}", timeout=90)
+    assert again.returncode == 0, again.stderr
+    assert "the newer one cannot be trusted: step_10: it has no manifest.json" in again.stderr
+    assert "at step 5" in (tmp_path / "big" / "logs" / "rank0.log").read_text()
+    assert [r["step"] for r in read_jsonl(tmp_path / "big" / "metrics.jsonl") if "loss" in r] == list(range(7))
