@@ -108,6 +108,14 @@ def test_chaos_and_test_bed_mistakes_of_the_other_commands(tmp_path):
         assert len(assert_user_error(p, ["--testbed", f"got {command[-1]}", "2..64"])) == 1
 
 
+def test_the_readmes_sample_error_is_what_dtk_prints():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    command = "$ dtk train recipes/quickstart.yaml strategy.name=zero4 training.steps=-1\n"
+    sample = readme.split(command, 1)[1].split("```", 1)[0].strip()
+    p = run_dtk("train", QUICKSTART, "strategy.name=zero4", "training.steps=-1", timeout=60)
+    assert p.returncode == 2 and p.stderr.strip() == sample
+
+
 def test_train_reports_every_mistake_at_once(tmp_path):
     run_dir = tmp_path / "run"
     p = run_dtk("train", QUICKSTART, f"output.dir={run_dir}", "strategy.name=zero4", "training.precision=fp16",
