@@ -260,6 +260,7 @@ class Launcher:
             self._live_count += len(specs)
         parsed = [faults.parse(s, world=self.world, fault_id=f"live{start + i}", flag="fault",
                                nodes=self.topology.nnodes) for i, s in enumerate(specs)]
+        faults.check_reachable(parsed, steps=self.recipe.training.steps, mode=self.recipe.resilience.mode, flag="fault")
         for f in parsed:
             self.deliver(f)
         append_event(self.run_dir, {"event": "faults scheduled", "faults": [f.spec() for f in parsed]})
