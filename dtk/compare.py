@@ -297,7 +297,7 @@ def run(*, recipe_path: str, variants: list[Variant], out_dir: Path, command: st
         if code != 0:
             console.print(f"[red]failed[/]: {v.name} (exit {code}); run folder {run_dir}", highlight=False)
         comparison.variants.append(record)
-        if code == 130:  # interrupted by the user: stop here, keep what ran
+        if code in (130, 143):  # interrupted (Ctrl-C, SIGTERM): stop here, keep what ran
             break
     reference = comparison.variants[0]
     for record in comparison.variants:

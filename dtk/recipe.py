@@ -267,7 +267,7 @@ def _semantic_lines(r: Recipe) -> list[str]:
                      f"strategies: ddp, fsdp, zero1, zero2, zero3")
     if r.resilience.mode == "inplace" and r.strategy.name != "ddp":
         # groups hold whole nodes or tile one; the rest (tier 2 against the number of groups) needs the number of
-        # nodes, which the launch knows: check_parity_layout()
+        # nodes, which the launch knows: check_launch()
         k, n = r.resilience.parity_group or max(2, r.world.nproc), r.world.nproc
         if n % k and k % n:
             divisors = [d for d in range(2, n + 1) if n % d == 0]
@@ -339,10 +339,24 @@ def _split_learning_lines(r: Recipe) -> list[str]:
     return lines
 
 
-def check_parity_layout(r: "Recipe", *, nnodes: int) -> None:
-    """At launch, when the number of nodes is known: the parity groups and tier 2 fit the whole run (DtkError)."""
-    if r.resilience.mode == "inplace" and r.strategy.name != "ddp":
-        parity_layout(r.resilience, world=r.world.nproc * nnodes, nproc_per_node=r.world.nproc)
+def check_launch(r: "Recipe", *, nnodes: int) -> None:
+    """Before any rank starts, when the number of nodes is known: what a recipe alone cannot tell (DtkError, every
+    line at once): a user's model imports, in-place recovery has a survivor, the parity groups fit the whole run."""
+    from dtk.targets import target_problem
+
+    lines = [target_problem("model.target", r.model.target)] if r.model.target and r.model.hf is None else []
+    world = r.world.nproc * nnodes
+    if r.resilience.mode == "inplace" and world < 2:
+        lines.append(f"resilience.mode: got 'inplace' on a world of {world} rank (world.nproc={r.world.nproc}, "
+                     f"{nnodes} node); in-place recovery needs a surviving rank to keep the state; accepted: 2 ranks "
+                     f"or more (world.nproc, --nnodes), or resilience.mode=checkpoint with checkpoint.every")
+    elif r.resilience.mode == "inplace" and r.strategy.name != "ddp":
+        try:
+            parity_layout(r.resilience, world=world, nproc_per_node=r.world.nproc)
+        except DtkError as e:
+            lines += e.lines
+    if any(lines):
+        raise DtkError(*lines)
 
 
 def parity_layout(resilience, *, world: int, nproc_per_node: int) -> tuple[int, int]:

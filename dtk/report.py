@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from dtk.metrics import read_jsonl
+from dtk.metrics import read_jsonl, write_atomic
 
 console = Console(stderr=True)
 
@@ -117,7 +117,7 @@ def summarize(run_dir: Path, *, wall_seconds: float, failures: list[dict], exit_
     states = next((r["model_state_bytes"] for r in reversed(records) if r.get("model_state_bytes")), None)
     rate_key = "tokens_per_second" if records and records[0].get("tokens_per_second") else "samples_per_second"
     return {
-        "status": {0: "completed", 130: "interrupted"}.get(exit_code, "failed"),
+        "status": {0: "completed", 130: "interrupted", 143: "interrupted"}.get(exit_code, "failed"),
         "exit_code": exit_code,
         "steps": len(records),
         "world_size": world,
@@ -200,5 +200,5 @@ def _last_event(run_dir: Path, name: str, *, since: float) -> dict | None:
 def write_summary(run_dir: Path, *, wall_seconds: float, failures: list[dict], exit_code: int,
                   name: str = "summary.json", **extra) -> dict:
     summary = summarize(run_dir, wall_seconds=wall_seconds, failures=failures, exit_code=exit_code, **extra)
-    (Path(run_dir) / name).write_text(json.dumps(summary, indent=2))
+    write_atomic(Path(run_dir) / name, json.dumps(summary, indent=2))
     return summary

@@ -181,6 +181,18 @@ class Trainer:
         self.evaluator.forget()  # a replacement evaluates the boundary it joins at: so does every survivor
         return step
 
+    def _save_and_stop(self, step: int) -> None:
+        """Preempted (SIGTERM to the launcher): every rank is at the same step boundary; save it, so that nothing
+        is lost, and leave without finishing (the launcher says where the run stands)."""
+        every = self.recipe.checkpoint.every
+        if step % every:  # a step that was just saved is not saved twice
+            self.control.phase = "checkpoint"
+            checkpoint.save(self.engine, step=step, run_dir=self.run_dir, keep=self.recipe.checkpoint.keep)
+        if self.parity is not None:
+            self.parity.settle()
+        log.warning("preempted: stopped after %d steps, saved in %s", step, checkpoint.checkpoint_dir(self.run_dir))
+        self.control.mark("preempted", {"step": step})
+
     # -- the loop --
     def run(self, *, start_step: int) -> None:
         r = self.recipe
@@ -229,6 +241,9 @@ class Trainer:
                 if self.writer:
                     self.writer.event({"event": "regroup", "step": step, "generation": Seam.generation,
                                        "seconds": seconds})
+            if self.control.stop_at(step) == step and step < r.training.steps:
+                self._save_and_stop(step)
+                return
         if self.parity is not None:
             self.parity.settle()
             if self.writer:  # what keeping parity cost this run: summary.json -> parity

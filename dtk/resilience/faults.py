@@ -110,6 +110,24 @@ def parse(spec: str, *, world: int, fault_id: str, flag: str = "--fault", hosts:
     return Fault(kind=kind, rank=rank, step=step, phase=phase, factor=factor, seconds=seconds, id=fault_id)
 
 
+def check_reachable(parsed: list, *, steps: int, mode: str, flag: str = "--fault") -> None:
+    """A fault the run can never reach would not fire, and the chaos run would pass having tested nothing: refuse
+    one aimed at step `steps` or later, or at the recovery phase of a run that never recovers in place (DtkError,
+    one line per fault)."""
+    lines = []
+    for f in parsed:
+        if getattr(f, "step", None) is not None and f.step >= steps:
+            what = f.spec() if isinstance(f, Fault) else f.as_fault()
+            lines.append(f"{flag}: got step={f.step} in {what!r}; the run trains steps 0..{steps - 1} "
+                         f"(training.steps={steps}); accepted: step=0..{steps - 1}")
+        if isinstance(f, Fault) and f.phase == "recovery" and mode != "inplace":
+            lines.append(f"{flag}: got phase=recovery in {f.spec()!r}; only an in-place recovery has that phase, and "
+                         f"resilience.mode is {mode!r}; accepted: phase=forward, backward, optimizer or commit, or "
+                         f"resilience.mode=inplace")
+    if lines:
+        raise DtkError(*lines)
+
+
 def _host_rank(spec: str, fields: dict[str, str], *, world: int, nodes: int | None, flag: str) -> str:
     """kill-host names its host (host=I) or a rank it runs (rank=R, the spelling a launcher passes on); the fault
     is fired by that rank: its first rank for host=I."""
