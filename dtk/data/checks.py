@@ -6,16 +6,16 @@ from __future__ import annotations
 from pathlib import Path
 
 from dtk.data import vocab
-from dtk.data.target import target_problems
 from dtk.data.tokens import read_meta
 from dtk.errors import DtkError
+from dtk.targets import target_problem
 
 
 def data_problems(r) -> list[str]:
     """data.target, data.name tokens and eval.every: what the ranks would refuse, found before they start."""
     d, lines = r.data, []
     if d.target is not None:
-        return target_problems(d.target)  # whether it has a validation split is known once a rank builds it
+        return [line for line in [target_problem("data.target", d.target)] if line]  # whether it has a validation split is known once a rank builds it
     if d.name == "tokens":
         if not d.path:
             return ["data.path: missing; data 'tokens' needs the folder `dtk data prepare` wrote"]
