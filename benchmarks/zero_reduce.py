@@ -74,7 +74,7 @@ def _rank(rank: int, world: int, port: int, results, reps: int, steps: int) -> N
 
 
 def main() -> None:
-    from dtk.launch import free_port
+    from dtk.rendezvous import free_port
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=3)

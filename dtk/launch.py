@@ -5,13 +5,14 @@ starts, watches and stops this node's ranks and shadows. `launch` joins the host
 """
 from __future__ import annotations
 
-import datetime
+import errno
 import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -25,36 +26,25 @@ from dtk.netif import backend_env
 from dtk.report import ProgressLine, write_summary
 from dtk.resilience import faults
 from dtk.resilience import protocol as keys
-from dtk.resilience.checkpoint import check_shared
+from dtk.resilience.checkpoint import DISK_FULL, check_shared, disk_full_line, resume_line
 from dtk.resilience.failures import finalize_failures
 from dtk.resilience.live import LiveControl
 from dtk.resilience.recovery import RunState
-from dtk.resilience.roles import FollowerNode, LeadNode, LocalView, SingleNode, absent_line
+from dtk.resilience.roles import LocalView, absent_line, node_role
 from dtk.resilience.shadow import ShadowPool
 from dtk.resilience.supervisor import NodeRole, Supervisor
+from dtk.rendezvous import Topology, open_store
 from dtk.rundir import prepare_run_dir
 
 SHADOW_IDS_PER_NODE = 1000
 
 
-@dataclass(kw_only=True, slots=True)
-class Topology:
-    nnodes: int = 1
-    node_rank: int = 0
-    rdzv_endpoint: str | None = None
-    """host:port of the store hosted by node 0's launcher; default: loopback and a free port."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_preexec() -> None:
-    """In a rank's process before exec: die with the launcher (Linux), and ignore Ctrl-C (the launcher handles it
-    for the whole run: it stops the ranks and says where the run stands)."""
+    """In a rank's process before exec: die with the launcher (Linux), ignore Ctrl-C (the launcher handles it for
+    the whole run: it stops the ranks and says where the run stands), and block SIGTERM (its mask is kept across
+    exec; dtk.worker's watch thread tells the launcher's from another's)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # taken by one thread of the rank (dtk.worker)
     try:
         import ctypes
 
@@ -196,30 +186,6 @@ class Host:
         return summary
 
 
-def open_store(topology: Topology) -> tuple[dist.TCPStore, str]:
-    """Node 0 hosts the run's store (on rdzv_endpoint, else loopback and a free port); the others connect to it."""
-    if topology.rdzv_endpoint:
-        host, _, port = topology.rdzv_endpoint.rpartition(":")
-    else:
-        host, port = "127.0.0.1", str(free_port())
-    store = dist.TCPStore(host, int(port), is_master=topology.node_rank == 0, wait_for_workers=False,
-                          timeout=datetime.timedelta(seconds=600))
-    return store, f"{host}:{port}"
-
-
-def node_role(*, topology: Topology, mode: str, nproc: int, local: LocalView, state: RunState,
-              run_store: dist.Store) -> NodeRole:
-    """One node: no role. Several: node 0 leads (and coordinates recovery in place or checkpoint), the others follow
-    (and report to node 0 in place or checkpoint); with mode none the node whose rank failed stops the run."""
-    nnodes, node = topology.nnodes, topology.node_rank
-    if nnodes == 1:
-        return SingleNode(view=local, nproc=nproc)
-    recovers = mode in ("inplace", "checkpoint")
-    if node == 0:
-        return LeadNode(local=local, state=state, run_store=run_store, nnodes=nnodes, nproc=nproc, coordinate=recovers)
-    return FollowerNode(view=local, run_store=run_store, node=node, nnodes=nnodes, nproc=nproc, report=recovers)
-
-
 def launch(recipe: recipes.Recipe, *, recipe_path: str | None, topology: Topology | None = None,
            show_progress: bool = True, inject: list | None = None, fault_schedule: list | None = None,
            schedule_kind: str = "kill", live_control: bool = True) -> tuple[int, Path]:
@@ -227,7 +193,11 @@ def launch(recipe: recipes.Recipe, *, recipe_path: str | None, topology: Topolog
     (seconds of training, rank) of random faults of `schedule_kind` (--mtbf); `live_control`: serve
     `dtk inject-failure --run` (node 0 only; off where a test bed's driver serves it for the run)."""
     topology = topology or Topology()
-    recipes.check_parity_layout(recipe, nnodes=topology.nnodes)
+    recipes.check_launch(recipe, nnodes=topology.nnodes)
+    if recipe.output.dir and recipe.checkpoint.resume == "auto" and topology.nnodes == 1:
+        # ranks skip the same damaged checkpoints: say which, and why (several nodes: check_shared, below)
+        if line := resume_line(recipe.output.dir):
+            print(f"note: {line}", file=sys.stderr)
     run_dir = prepare_run_dir(recipe, recipe_path)
     node, world = topology.node_rank, recipe.world.nproc * topology.nnodes
     store, address = open_store(topology)
@@ -238,11 +208,12 @@ def launch(recipe: recipes.Recipe, *, recipe_path: str | None, topology: Topolog
     state = RunState()
     host = Host(recipe=recipe, run_dir=run_dir, topology=topology, address=address, world=world)
     local = LocalView(processes=host, state=state, run_dir=run_dir)
-    role = node_role(topology=topology, mode=recipe.resilience.mode, nproc=recipe.world.nproc, local=local,
-                     state=state, run_store=run_store)
+    role = node_role(nnodes=topology.nnodes, node=node, mode=recipe.resilience.mode, nproc=recipe.world.nproc,
+                     local=local, state=state, run_store=run_store)
     run_store.set(keys.joined(node), json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
     board = faults.FaultBoard(run_store=run_store, run_dir=run_dir, world=world, nnodes=topology.nnodes,
-                              schedule=list(fault_schedule or []), schedule_kind=schedule_kind)
+                              schedule=list(fault_schedule or []), schedule_kind=schedule_kind,
+                              steps=recipe.training.steps, mode=recipe.resilience.mode)
     for f in inject or []:
         board.deliver(f)
     live = LiveControl(run_dir, board.live) if live_control and not node else None
@@ -250,14 +221,25 @@ def launch(recipe: recipes.Recipe, *, recipe_path: str | None, topology: Topolog
                             store=store, world=world, node=node,
                             absent_line=partial(absent_line, nproc=recipe.world.nproc, nnodes=topology.nnodes,
                                                 timeout_s=recipe.world.timeout_s, address=address))
-    code = 1  # what summary.json says if the watch itself fails (a bug: its traceback follows)
+    code, disk_full = 1, False  # what summary.json says if the watch itself fails (a bug: its traceback follows)
+    on_main = threading.current_thread() is threading.main_thread()
+    if on_main:
+        signal.signal(signal.SIGTERM, lambda signum, frame: setattr(supervisor, "sigterm", True))
     try:
         supervisor.start_attempt(0)
         code = _watch(supervisor, host=host, node=node, show_progress=show_progress)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        host.stop_all()
+        disk_full = True
     finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         if live is not None:
             live.close()
-        _finish(supervisor, host=host, role=role, code=code, store=store, topology=topology)
+        code = _finish(supervisor, host=host, role=role, code=code, store=store, topology=topology,
+                       disk_full=disk_full)
     return code, run_dir
 
 
@@ -281,19 +263,29 @@ def _watch(supervisor: Supervisor, *, host: Host, node: int, show_progress: bool
 
 
 def _finish(supervisor: Supervisor, *, host: Host, role: NodeRole, code: int, store: dist.Store,
-            topology: Topology) -> None:
-    """Say why the run stopped, give every failure its figures, write this node's summary and (several nodes) leave."""
+            topology: Topology, disk_full: bool) -> int:
+    """Give every failure its figures, write this node's summary, say why the run stopped and (several nodes)
+    leave; returns the exit code (a full disk fails the run)."""
     shadows = host.close()
+    run_dir, node, world = supervisor.run_dir, topology.node_rank, supervisor.world
+    try:
+        finalize_failures(supervisor.failures, run_dir=run_dir, store=store, world=world)
+        write_summary(run_dir, wall_seconds=time.time() - supervisor.t_start,
+                      failures=supervisor.failures + supervisor.remote_failures, exit_code=code, shadows=shadows,
+                      name="summary.json" if node == 0 else f"summary-node{node}.json", world_size=world,
+                      faults_fired=supervisor.board.fired_ids(),
+                      resilience={"mode": supervisor.recipe.resilience.mode, **supervisor.hangs.describe()})
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        code, disk_full = code or 1, True
+    if disk_full or (code and any(DISK_FULL in line for line in supervisor.messages)):
+        supervisor.messages = [disk_full_line(run_dir)]  # a rank's traceback would only repeat it
     for line in supervisor.messages:
         print(line, file=sys.stderr)
-    run_dir, node, world = supervisor.run_dir, topology.node_rank, supervisor.world
-    finalize_failures(supervisor.failures, run_dir=run_dir, store=store, world=world)
-    write_summary(run_dir, wall_seconds=time.time() - supervisor.t_start,
-                  failures=supervisor.failures + supervisor.remote_failures, exit_code=code, shadows=shadows,
-                  name="summary.json" if node == 0 else f"summary-node{node}.json", world_size=world,
-                  resilience={"mode": supervisor.recipe.resilience.mode, **supervisor.hangs.describe()})
     if topology.nnodes > 1:
         try:
             role.leave(code, fenced=supervisor.fenced, messages=supervisor.messages, failures=supervisor.failures)
         except dist.DistError:
             pass  # node 0 has gone already: nobody is left to tell
+    return code

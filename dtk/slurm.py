@@ -59,7 +59,7 @@ def under_srun(env: dict[str, str]) -> bool:
 
 
 def launch_plan(env: dict[str, str]) -> dict | None:
-    """nnodes, node_rank and rdzv_endpoint (dtk.launch.Topology's fields) from Slurm's variables, or None when
+    """nnodes, node_rank and rdzv_endpoint (dtk.rendezvous.Topology's fields) from Slurm's variables, or None when
     this is not an srun step. The step's values (SLURM_STEP_*) win over the job's: a step may use fewer nodes.
     The endpoint is MASTER_ADDR, else the step's first node, at DTK_RDZV_PORT, else MASTER_PORT, else 29500."""
     if not under_srun(env):

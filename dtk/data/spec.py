@@ -23,6 +23,13 @@ class Dataset(Protocol):
 
     def batch(self, *, step: int, rank: int, micro: int, size: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
+    # A data set with a validation split also has val_batch(*, index, size): held-out batch `index`, the same
+    # batches at every evaluation (dtk.evaluation draws index = batch * world + rank).
+
+
+def has_validation(dataset) -> bool:
+    return callable(getattr(dataset, "val_batch", None))
+
 
 def batch_generator(seed: int, step: int, rank: int, micro: int) -> torch.Generator:
     return torch.Generator().manual_seed(((seed * 1_000_003 + step) * 4099 + rank) * 131 + micro)

@@ -52,6 +52,9 @@ class Control:
         """The recovery plan this rank last joined by (dtk.resilience.inplace.rejoin)."""
         self.on_faults: Callable[[list[dict]], None] | None = None
         """Called from the watcher thread with newly announced fault specs (a list of dicts) for this rank."""
+        self.preempted = False
+        """The launcher asked the run to stop and save (it got SIGTERM); seen by the watcher thread."""
+        self._stop_at: int | None = None
         self._faults_seen = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="dtk-control", daemon=True)
@@ -74,6 +77,8 @@ class Control:
                          "step_s": self.step_seconds, "token": self.token}))
                     last_beat = time.monotonic()
                     self._poll_faults()
+                    if not self.preempted and self._watch_store.check([keys.PREEMPT]):
+                        self.preempted = True
                     if self._watch_store.check([keys.fenced(self.token)]):
                         self._exit_fenced(self._watch_store)
             except Exception:  # the launcher went away: the run is over, the main thread will find out
@@ -121,6 +126,16 @@ class Control:
 
     def generation_failed(self, generation: int) -> bool:
         return self.store.check([keys.failure(generation)])
+
+    def stop_at(self, step: int) -> int | None:
+        """Once preempted: the number of committed steps at which every rank stops, agreed through the store. The
+        first rank to ask proposes its own count + 1: ranks run in lockstep (every step has collectives), so no rank
+        is more than one step ahead of another, and none has passed it."""
+        if not self.preempted:
+            return None
+        if self._stop_at is None:
+            self._stop_at = int(self.store.compare_set(keys.PREEMPT_STOP_AT, "", str(step + 1)).decode())
+        return self._stop_at
 
     def finish(self, step: int) -> None:
         self.store.set(keys.done(self.rank), str(step))

@@ -39,9 +39,10 @@ FAULTS: dict[str, str] = {
     "congest": "test bed only (--testbed H): from step S shape a host's link (host=I) or one path (pair=I-J) to "
                "rate=R: congest:pair=0-1,rate=200mbit,step=5",
 }
-PHASES = ("forward", "backward", "optimizer", "commit", "recovery")
+PHASES = ("forward", "backward", "optimizer", "commit", "recovery", "eval")
 """optimizer: before the rank's update; commit: after its update, before it counts the step; recovery: while the
-rank takes part in an in-place recovery, after the regroup and before the state is sent."""
+rank takes part in an in-place recovery, after the regroup and before the state is sent; eval: in the evaluation at
+the boundary of S steps done (eval.every), after its first batch."""
 CORRUPT_EXIT = 75
 """Exit code of a rank that found its local state corrupted."""
 CONGEST_WAIT_S = 120.0
@@ -113,6 +114,24 @@ def parse(spec: str, *, world: int, fault_id: str, flag: str = "--fault", hosts:
     return Fault(kind=kind, rank=rank, step=step, phase=phase, factor=factor, seconds=seconds, id=fault_id)
 
 
+def check_reachable(parsed: list, *, steps: int, mode: str, flag: str = "--fault") -> None:
+    """A fault the run can never reach would not fire, and the chaos run would pass having tested nothing: refuse
+    one aimed at step `steps` or later, or at the recovery phase of a run that never recovers in place (DtkError,
+    one line per fault)."""
+    lines = []
+    for f in parsed:
+        if getattr(f, "step", None) is not None and f.step >= steps:
+            what = f.spec() if isinstance(f, Fault) else f.as_fault()
+            lines.append(f"{flag}: got step={f.step} in {what!r}; the run trains steps 0..{steps - 1} "
+                         f"(training.steps={steps}); accepted: step=0..{steps - 1}")
+        if isinstance(f, Fault) and f.phase == "recovery" and mode != "inplace":
+            lines.append(f"{flag}: got phase=recovery in {f.spec()!r}; only an in-place recovery has that phase, and "
+                         f"resilience.mode is {mode!r}; accepted: phase=forward, backward, optimizer or commit, or "
+                         f"resilience.mode=inplace")
+    if lines:
+        raise DtkError(*lines)
+
+
 def _host_rank(spec: str, fields: dict[str, str], *, world: int, nodes: int | None, flag: str) -> str:
     """kill-host names its host (host=I) or a rank it runs (rank=R, the spelling a launcher passes on); the fault
     is fired by that rank: its first rank for host=I."""
@@ -155,6 +174,10 @@ class FaultBoard:
     schedule: list[tuple[float, int]] = field(default_factory=list)
     """(seconds of training, rank) of random faults of kind `schedule_kind` (--mtbf)."""
     schedule_kind: str = "kill"
+    steps: int = 0
+    """training.steps: a live fault at or past it could never fire (check_reachable)."""
+    mode: str = "none"
+    """resilience.mode: phase=recovery is reachable only in place."""
     attributed: set[str] = field(default_factory=set)
     """The fired faults already named as a failure's cause."""
     _next_random: int = 0
@@ -172,6 +195,7 @@ class FaultBoard:
             self._live_count += len(specs)
         parsed = [parse(s, world=self.world, fault_id=f"live{start + i}", flag="fault", nodes=self.nnodes)
                   for i, s in enumerate(specs)]
+        check_reachable(parsed, steps=self.steps, mode=self.mode, flag="fault")
         for f in parsed:
             self.deliver(f)
         append_event(self.run_dir, {"event": "faults scheduled", "faults": [f.spec() for f in parsed]})
@@ -181,6 +205,13 @@ class FaultBoard:
         """The faults that have fired so far (each recorded by its rank just before it acted)."""
         announced = [f for rank in range(self.world) for f in keys.read_json(self.run_store, keys.faults(rank)) or []]
         return [x for f in announced if (x := keys.read_json(self.run_store, keys.fired(f["id"]))) is not None]
+
+    def fired_ids(self) -> list[str]:
+        """For summary.json: a chaos run whose faults did not fire tested nothing, and the CLI says so."""
+        try:
+            return [f["id"] for f in self.fired()]
+        except dist.DistError:
+            return []  # node 0's store is gone (another node's launcher, at the end)
 
     def attribute(self, rank: int) -> dict | None:
         """The newest fault that fired on `rank` and caused no failure yet (a straggler's `slow` causes none)."""

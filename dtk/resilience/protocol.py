@@ -130,6 +130,19 @@ def done(rank: int) -> str:
     return f"done/{rank}"
 
 
+PREEMPT = "preempt"
+"""The launcher got SIGTERM and checkpoints are on: every rank stops at one step boundary and saves. Written by the
+supervisor; read by every rank's Control thread."""
+PREEMPT_STOP_AT = "preempt/stop_at"
+"""The number of committed steps at which every rank stops once preempted: the first rank to ask proposes its own
+count + 1 (compare-and-set); read by the others (Control.stop_at)."""
+
+
+def preempted(rank: int) -> str:
+    """{step}: `rank` stopped and saved after SIGTERM. Written by the trainer; read by a person."""
+    return f"preempted/{rank}"
+
+
 def fenced(token: str) -> str:
     """Why the process `token` (host:pid) must exit: node 0 gave its rank to another process. Written by node 0
     (Coordinator.fence_lost); read by the rank's Control, which exits with FENCED_EXIT."""

@@ -313,3 +313,15 @@ class FollowerNode:
 
     def leave(self, code: int, *, fenced: bool, messages: list[str], failures: list[dict]) -> None:
         self.members.say_stop_and_leave(code, fenced=fenced, messages=messages, failures=failures)
+
+
+def node_role(*, nnodes: int, node: int, mode: str, nproc: int, local: LocalView, state: RunState,
+              run_store: dist.Store) -> SingleNode | LeadNode | FollowerNode:
+    """One node: no role. Several: node 0 leads (and coordinates recovery in place or checkpoint), the others follow
+    (and report to node 0 in place or checkpoint); with mode none the node whose rank failed stops the run."""
+    if nnodes == 1:
+        return SingleNode(view=local, nproc=nproc)
+    recovers = mode in ("inplace", "checkpoint")
+    if node == 0:
+        return LeadNode(local=local, state=state, run_store=run_store, nnodes=nnodes, nproc=nproc, coordinate=recovers)
+    return FollowerNode(view=local, run_store=run_store, node=node, nnodes=nnodes, nproc=nproc, report=recovers)

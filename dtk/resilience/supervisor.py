@@ -7,6 +7,7 @@ It acts on the run through a `Host` (this node's processes: dtk.launch.Host) and
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from pathlib import Path
 from typing import Callable, Protocol
@@ -26,6 +27,9 @@ from dtk.rundir import tail
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.02
+PREEMPT_WAIT_S = 120.0
+"""After SIGTERM, how long the ranks may take to finish their step and save it before they are stopped."""
+SIGTERM_EXIT = 128 + signal.SIGTERM
 
 
 class Host(Protocol):
@@ -116,6 +120,9 @@ class Supervisor:
         self.reported_dead: dict[int, dict] = {}
         """A follower's dead ranks, for node 0 to recover: rank -> {code, detected_at[, hang_detected_at]}."""
         self.fenced = False
+        self.sigterm = False
+        """Set from the launcher's SIGTERM handler; acted on by the watch loop, between two of its decisions (never
+        mid-recovery)."""
         self.t_start = time.time()
         self.t_train: float | None = None
         self.resumed_at: float | None = None
@@ -151,6 +158,8 @@ class Supervisor:
     def watch(self, progress: Progress) -> int:
         next_progress, next_remote = 0.0, 0.0
         while True:
+            if self.sigterm:
+                return self._preempt()
             if time.monotonic() >= next_progress:  # the ranks need the CPU more than the progress line does
                 progress.update()
                 next_progress = time.monotonic() + 0.2
@@ -190,6 +199,19 @@ class Supervisor:
                     if rank in self.host.ranks():
                         self.host.kill(rank)  # a hung rank is removed; its death is then handled as any other
             time.sleep(POLL_SECONDS)
+
+    def _preempt(self) -> int:
+        """SIGTERM (Slurm, Kubernetes): like Ctrl-C, but with checkpoints on, every rank first finishes its step and
+        saves it (dtk.trainer), so that a preempted job loses nothing."""
+        saving = bool(self.recipe.checkpoint.every) and self.started()
+        append_event(self.run_dir, {"event": "interrupted", "by": "SIGTERM", "saving": saving})
+        if saving:
+            self.control.set(keys.PREEMPT, "1")
+            deadline = time.monotonic() + PREEMPT_WAIT_S
+            while time.monotonic() < deadline and None in self.host.exit_codes().values():
+                time.sleep(POLL_SECONDS)
+        self.host.stop_all()
+        return SIGTERM_EXIT
 
     def _random_faults(self) -> None:
         if self.started() and self.resumed_at is None:

@@ -68,8 +68,11 @@ def productivity(
     checkpoint_save_s: Annotated[float, typer.Option(help="Blocking save time per checkpoint.")] = 30.0,
     restart_s: Annotated[float, typer.Option(help="checkpoint: detect + restart + load per failure, before redoing lost work.")] = 600.0,
     restart_per_doubling_s: Annotated[float, typer.Option(help="checkpoint: restart seconds added per doubling of the node count.")] = 0.0,
-    recovery_s: Annotated[Optional[float], typer.Option(help="inplace: stall per failure; 6.78 (dtk's measured DDP in-place downtime) when neither this nor --calibrate is given.")] = None,
-    calibrate: Annotated[Optional[str], typer.Option(metavar="RUN_DIR", help="inplace: the median downtime of this run's in-place recoveries.")] = None,
+    recovery_s: Annotated[Optional[float], typer.Option(help="inplace: stall per failure, detect to the redone step; 5 s, an assumed figure, when neither this nor --calibrate is given.")] = None,
+    protection_cost: Annotated[Optional[float], typer.Option(help="inplace: share of the throughput its in-memory protection takes, failure or not (0.1 = 10%); 0 when neither this nor --calibrate is given.")] = None,
+    redo_s: Annotated[float, typer.Option(help="inplace: work redone per failure beyond the failed step, after a rollback to the last protection (about (protect_every - 1) / 2 step times).")] = 0.0,
+    calibrate: Annotated[Optional[str], typer.Option(metavar="RUN_DIR", help="inplace: the median downtime of this run's in-place recoveries, and its protection cost (see --calibrate-baseline).")] = None,
+    calibrate_baseline: Annotated[Optional[str], typer.Option(metavar="RUN_DIR", help="with --calibrate: the same recipe run without protection; the protection cost is then the throughput lost against it (else the run's parity stall time, a lower bound).")] = None,
     inplace_fallback: Annotated[float, typer.Option(help="inplace: fraction of failures it cannot repair; they cost a checkpoint restart (checkpoint flags), and the job then also saves checkpoints.")] = 0.0,
     replicas: Annotated[int, typer.Option(help="replica: data-parallel replica groups.")] = 12,
     replica_stall_s: Annotated[float, typer.Option(help="replica: full stall per failure.")] = 180.0,
@@ -109,19 +112,31 @@ def productivity(
         raise DtkError(f"--target: got {target:g}; accepted: a ratio between 0 and 1, e.g. 0.9")
     if recovery_s is not None and calibrate is not None:
         raise DtkError(f"--recovery-s and --calibrate: got both ({recovery_s:g}, {calibrate!r}); accepted: one of them")
-    source = "--recovery-s" if recovery_s is not None else "default (dtk ddp in place, BENCHMARKS.md)"
+    if protection_cost is not None and calibrate is not None:
+        raise DtkError(f"--protection-cost and --calibrate: got both ({protection_cost:g}, {calibrate!r}); accepted: "
+                       f"one of them")
+    if calibrate_baseline is not None and calibrate is None:
+        raise DtkError(f"--calibrate-baseline: got {calibrate_baseline!r} without --calibrate; accepted: both")
+    if protection_cost is not None and not 0 <= protection_cost < 1:
+        raise DtkError(f"--protection-cost: got {protection_cost:g}; accepted: a fraction from 0 to below 1")
+    _positive(redo_s, "--redo-s", zero_ok=True)
+    source = "--recovery-s" if recovery_s is not None else "assumed (not measured: give --recovery-s or --calibrate)"
+    cost_source = "--protection-cost" if protection_cost is not None else "assumed free (give --protection-cost or --calibrate)"
     if calibrate is not None:
-        from dtk.sim.calibrate import inplace_recovery_s
+        from dtk.sim.calibrate import calibrate_inplace
 
-        recovery_s, count = inplace_recovery_s(calibrate)
-        source = f"median downtime_s of {count} in-place recoveries in {calibrate}"
+        cal = calibrate_inplace(calibrate, baseline=calibrate_baseline)
+        recovery_s, protection_cost, cost_source = cal.recovery_s, cal.protection_cost, cal.cost_source
+        source = f"median downtime_s of {cal.recoveries} in-place recoveries in {calibrate}"
     recovery = _positive(recovery_s if recovery_s is not None else prod.InPlace().recovery_s, "--recovery-s", zero_ok=True)
+    cost = protection_cost if protection_cost is not None else 0.0
     json_path, png_path = _outputs(json_out, png)
 
     checkpoint = prod.Checkpoint(every_s=every, save_s=checkpoint_save_s, restart_s=restart_s,
                                  restart_per_doubling_s=restart_per_doubling_s)
     built = {"checkpoint": checkpoint,
-             "inplace": prod.InPlace(recovery_s=recovery, fallback=inplace_fallback, checkpoint=checkpoint),
+             "inplace": prod.InPlace(recovery_s=recovery, protection_cost=cost, redo_s=redo_s,
+                                     fallback=inplace_fallback, checkpoint=checkpoint),
              "replica": prod.Replica(replicas=replicas, stall_s=replica_stall_s, rejoin_s=replica_rejoin_s)}
     methods = {name: built[name] for name in names}
     rows = prod.study(gpus=sizes, methods=methods, gpus_per_node=gpus_per_node, days=days, seed=seed,
@@ -129,18 +144,25 @@ def productivity(
     out.print(output.productivity_table(rows))
     if target is not None:
         out.print(output.needed_table(rows, target))
+    crossover = None
     if "inplace" in methods:
         out.print(f"inplace recovery {recovery:.2f} s per failure: {source}", highlight=False)
+        out.print(f"inplace protection cost {cost:.1%} of the throughput: {cost_source}", highlight=False)
+        crossover = prod.crossover_gpus(methods["inplace"], checkpoint, gpus_per_node=gpus_per_node, days=days,
+                                        failures_per_1000_node_days=failures_per_1000_node_days,
+                                        up_to=max(max(sizes), 10_000_000))
+        out.print(output.crossover_line(crossover, up_to=max(max(sizes), 10_000_000)), highlight=False)
     if json_path is not None:
         inputs = {"gpus": sizes, "gpus_per_node": gpus_per_node, "days": days, "seed": seed, "target": target,
                   "failures_per_1000_node_days": failures_per_1000_node_days, "inplace_recovery_source": source,
+                  "inplace_protection_cost_source": cost_source, "inplace_overtakes_checkpoint_at_gpus": crossover,
                   "methods": {name: {"what": prod.METHODS[name], **asdict(m)} for name, m in methods.items()},
                   "command": _command()}
         output.write_json(json_path, {"inputs": inputs, "results": rows})
     if png_path is not None:
         output.productivity_png(png_path, rows, target=target, title=(
             f"{failures_per_1000_node_days:g} failures / 1000 node-days, {gpus_per_node} GPUs/node, {days:g} days; "
-            f"inplace {recovery:.2f} s"))
+            f"inplace {recovery:.2f} s, protection {cost:.1%}"))
     written = [str(p) for p in (json_path, png_path) if p is not None]
     if written:
         out.print(f"written: {', '.join(written)}", highlight=False)

@@ -37,6 +37,16 @@ def productivity_table(rows: list[dict]) -> Table:
     return table
 
 
+def crossover_line(gpus: int | None, *, up_to: int) -> str:
+    """Where in place starts to keep more of the time than checkpoint restart (first order)."""
+    if gpus is None:
+        return (f"inplace overtakes checkpoint restart at no job size up to {up_to:,} GPUs: its protection costs "
+                f"more than checkpointing loses")
+    if gpus == 0:
+        return "inplace keeps more of the time than checkpoint restart at every job size, from one node (first order)"
+    return f"inplace overtakes checkpoint restart from {gpus:,} GPUs (first order; below, checkpointing keeps more)"
+
+
 def needed_table(rows: list[dict], target: float) -> Table:
     methods = list(rows[0]["methods"])
     table = Table(title=f"recovery time needed for {_pct(target)} (knob)")

@@ -14,7 +14,8 @@ DAY_S = 86_400.0
 
 METHODS = {
     "checkpoint": "stop all, restart, reload the last checkpoint, redo the work since it (checkpoints every tau)",
-    "inplace": "dtk: detect, promote a shadow, regroup, rebuild the lost state, redo the step; nothing else is lost",
+    "inplace": "dtk: detect, promote a shadow, regroup, rebuild the lost state, redo the steps since the last "
+               "protection; the protection costs a share of every step's throughput",
     "replica": "fault-tolerant HSDP: a short full stall, then one replica offline while the rest train on",
 }
 
@@ -66,13 +67,22 @@ class Checkpoint:
 
 @dataclass(frozen=True, kw_only=True)
 class InPlace:
-    """dtk's in-place recovery: the whole job stalls `recovery_s` per failure (detect to the redone step), no work lost.
-    A `fallback` fraction of failures it cannot repair (e.g. two in one parity group) costs a checkpoint restart
-    instead, and then the job also saves checkpoints as `checkpoint` says."""
+    """dtk's in-place recovery: the whole job stalls `recovery_s` per failure (detect to the redone step) plus
+    `redo_s` (the steps since the last protection, redone after a rollback); the in-memory protection takes
+    `protection_cost` of the throughput all the time, failure or not. A `fallback` fraction of failures it cannot
+    repair (e.g. two in one parity group) costs a checkpoint restart instead, and then the job also saves
+    checkpoints as `checkpoint` says."""
 
-    recovery_s: float = 6.78
+    recovery_s: float = 5.0
+    protection_cost: float = 0.0
+    redo_s: float = 0.0
     fallback: float = 0.0
     checkpoint: Checkpoint = Checkpoint()
+
+    @property
+    def stall_s(self) -> float:
+        """What one repaired failure costs the whole job."""
+        return self.recovery_s + self.redo_s
 
     def interval_at(self, cluster: Cluster) -> float:
         """Checkpoint interval for the fallback: given, or Young/Daly at the rate of the failures that need it."""
@@ -128,11 +138,12 @@ def first_order(method: Method, cluster: Cluster) -> float:
         tau = method.interval_at(cluster)
         value = 1 - (method.save_s / tau if tau > 0 else 0.0) - (tau / 2 + method.restart_at(cluster)) / m
     elif isinstance(method, InPlace):
-        p, value = method.fallback, 1 - method.recovery_s / m
+        p, value = method.fallback, 1 - method.stall_s / m
         if p > 0:
             tau, ckpt = method.interval_at(cluster), method.checkpoint
-            value = 1 - (1 - p) * method.recovery_s / m - (ckpt.save_s / tau if tau > 0 else 0.0) - p * (
+            value = 1 - (1 - p) * method.stall_s / m - (ckpt.save_s / tau if tau > 0 else 0.0) - p * (
                 tau / 2 + ckpt.restart_at(cluster)) / m
+        value *= 1 - method.protection_cost
     else:
         value = 1 - (method.stall_s + method.rejoin_s / method.replicas) / m
     return max(0.0, value)
@@ -199,15 +210,17 @@ def simulate(method: Method, cluster: Cluster, *, seed: int = 0, arrivals: np.nd
         details.update(checkpoint_every_s=tau, restart_s=restart, save_s=method.save_s)
     elif isinstance(method, InPlace):
         rollback = _fallbacks(len(arrivals), method.fallback, seed)
-        stalls = np.where(rollback, method.checkpoint.restart_at(cluster), method.recovery_s)
+        stalls = np.where(rollback, method.checkpoint.restart_at(cluster), method.stall_s)
         segments = _running_segments(arrivals, _stall_ends(arrivals, stalls), period)
-        details.update(recovery_s=method.recovery_s, fallback=method.fallback, fallback_failures=int(rollback.sum()))
+        details.update(recovery_s=method.recovery_s, redo_s=method.redo_s, protection_cost=method.protection_cost,
+                       fallback=method.fallback, fallback_failures=int(rollback.sum()))
         if method.fallback > 0:
             tau = method.interval_at(cluster)
             productive = _kept_with_checkpoints(segments, rollback, tau=tau, save_s=method.checkpoint.save_s)
             details.update(checkpoint_every_s=tau)
         else:  # nothing to fall back on: no checkpoints, nothing ever lost
             productive = float(segments.sum())
+        productive *= 1 - method.protection_cost  # the protection slows every step the job runs
     else:
         ends = _stall_ends(arrivals, method.stall_s)
         running = float(_running_segments(arrivals, ends, period).sum())
@@ -218,7 +231,7 @@ def simulate(method: Method, cluster: Cluster, *, seed: int = 0, arrivals: np.nd
                    first_order=first_order(method, cluster), details=details)
 
 
-RECOVERY_KNOB = {"checkpoint": "restart_s", "inplace": "recovery_s", "replica": "stall_s + rejoin_s"}
+RECOVERY_KNOB = {"checkpoint": "restart_s", "inplace": "recovery_s + redo_s", "replica": "stall_s + rejoin_s"}
 
 
 def with_recovery(method: Method, seconds: float) -> Method:
@@ -229,7 +242,7 @@ def with_recovery(method: Method, seconds: float) -> Method:
     if isinstance(method, Checkpoint):
         return replace(method, restart_s=seconds)
     if isinstance(method, InPlace):
-        return replace(method, recovery_s=seconds)
+        return replace(method, recovery_s=seconds, redo_s=0.0)
     total = method.stall_s + method.rejoin_s
     stall_share = method.stall_s / total if total > 0 else 1.0
     return replace(method, stall_s=seconds * stall_share, rejoin_s=seconds * (1 - stall_share))
@@ -281,3 +294,26 @@ def study(*, gpus: list[int], methods: dict[str, Method], gpus_per_node: int, fa
             row["methods"][name] = entry
         rows.append(row)
     return rows
+
+
+def crossover_gpus(inplace: InPlace, checkpoint: Checkpoint, *, gpus_per_node: int,
+                   failures_per_1000_node_days: float, days: float, up_to: int) -> int | None:
+    """The smallest job (GPUs, whole nodes) from which in place keeps more of the time than checkpoint restart, by
+    the first-order formulas (smooth in the size, where a simulation of a small job sees a handful of failures).
+    Checkpointing loses more per node added, so the difference only grows: bisect on the node count. 0 when in
+    place wins from a single node, None when it wins at no size up to `up_to` GPUs (its protection costs more than
+    checkpointing loses)."""
+    def gain(nodes: int) -> float:
+        cluster = Cluster(gpus=nodes * gpus_per_node, gpus_per_node=gpus_per_node, days=days,
+                          failures_per_1000_node_days=failures_per_1000_node_days)
+        return first_order(inplace, cluster) - first_order(checkpoint, cluster)
+
+    lo, hi = 1, max(1, math.ceil(up_to / gpus_per_node))
+    if gain(lo) > 0:
+        return 0
+    if gain(hi) <= 0:
+        return None
+    while hi - lo > 1:  # gain(lo) <= 0 < gain(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if gain(mid) > 0 else (mid, hi)
+    return hi * gpus_per_node

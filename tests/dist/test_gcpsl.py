@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from conftest import RECIPES, read_jsonl, run_dtk
-from dtk.launch import free_port
+from dtk.rendezvous import free_port
 
 pytestmark = [pytest.mark.dist]
 GCPSL = RECIPES / "gcpsl.yaml"

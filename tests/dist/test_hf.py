@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from dtk.launch import free_port
+from dtk.rendezvous import free_port
 
 pytest.importorskip("transformers")
 pytestmark = [pytest.mark.dist]

@@ -150,7 +150,7 @@ def _run(scenario: str, *, world: int, group_size: int, tier2: int = 0, timeout_
     import torch.distributed as dist
     import torch.multiprocessing as mp
 
-    from dtk.launch import free_port
+    from dtk.rendezvous import free_port
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False,

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from dtk.launch import free_port
+from dtk.rendezvous import free_port
 from dtk.testbed.net import namespaces, unavailable_reason
 from tests.conftest import ROOT, dtk_env, run_dtk
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import RECIPES, TINY, run_dtk
-from dtk.launch import free_port
+from dtk.rendezvous import free_port
 
 pytestmark = [pytest.mark.e2e]
 

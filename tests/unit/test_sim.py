@@ -9,7 +9,7 @@ import pytest
 from dtk.errors import DtkError
 from dtk.sim import congestion as cg
 from dtk.sim import productivity as prod
-from dtk.sim.calibrate import inplace_recovery_s
+from dtk.sim.calibrate import calibrate_inplace, inplace_recovery_s
 
 
 def cluster_with_mtbf(*, gpus: int, mtbf_s: float, days: float = 60) -> prod.Cluster:
@@ -106,6 +106,42 @@ def test_calibrate_takes_the_median_of_in_place_downtimes(tmp_path):
     assert inplace_recovery_s(tmp_path / "run") == (7.5, 3)
 
 
+def test_protection_cost_is_charged_all_the_time_and_redo_per_failure():
+    c = cluster_with_mtbf(gpus=16_384, mtbf_s=3600)
+    free = prod.simulate(prod.InPlace(recovery_s=5), c, seed=0)
+    costly = prod.simulate(prod.InPlace(recovery_s=5, protection_cost=0.1), c, seed=0)
+    assert costly.productive_time_ratio == pytest.approx(free.productive_time_ratio * 0.9)
+    assert costly.first_order == pytest.approx(free.first_order * 0.9)
+    redo = prod.simulate(prod.InPlace(recovery_s=5, redo_s=60), c, seed=0)
+    assert redo.productive_time_ratio == pytest.approx(prod.simulate(prod.InPlace(recovery_s=65), c, seed=0)
+                                                       .productive_time_ratio)
+
+
+def test_crossover_job_size_where_in_place_overtakes_checkpointing():
+    ckpt, flags = prod.Checkpoint(), dict(gpus_per_node=8, failures_per_1000_node_days=6.5, days=30)
+    at = prod.crossover_gpus(prod.InPlace(recovery_s=5, protection_cost=0.05), ckpt, up_to=5_000_000, **flags)
+    assert at is not None and at % 8 == 0
+    for gpus, inplace_wins in ((at - 8, False), (at, True)):
+        c = prod.Cluster(gpus=gpus, **{k: v for k, v in flags.items() if k != "gpus_per_node"})
+        gain = prod.first_order(prod.InPlace(recovery_s=5, protection_cost=0.05), c) - prod.first_order(ckpt, c)
+        assert (gain > 0) == inplace_wins
+    assert prod.crossover_gpus(prod.InPlace(recovery_s=5), ckpt, up_to=5_000_000, **flags) == 0  # free: always
+    assert prod.crossover_gpus(prod.InPlace(recovery_s=5, protection_cost=0.99), ckpt, up_to=1024, **flags) is None
+
+
+def test_calibrate_takes_the_protection_cost_from_a_baseline_or_the_parity_stall(tmp_path):
+    write_summary(tmp_path / "run", [{"fault": "kill", "downtime_s": 2.0}])
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    summary.update(throughput=900.0, step_time_p50=0.5, parity={"exchange": {"totals": {"stall_s": 1.5, "seconds": 4.5}}})
+    (tmp_path / "run" / "summary.json").write_text(json.dumps(summary))
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "summary.json").write_text(json.dumps({"throughput": 1000.0, "failures": []}))
+    with_base = calibrate_inplace(tmp_path / "run", baseline=tmp_path / "base")
+    assert with_base.recovery_s == 2.0 and with_base.protection_cost == pytest.approx(0.1)
+    alone = calibrate_inplace(tmp_path / "run")
+    assert alone.protection_cost == pytest.approx(4.5 / (30 * 0.5)) and "10.0%, the lower bound" in alone.cost_source
+
+
 def test_calibrate_errors_are_one_line(tmp_path):
     write_summary(tmp_path / "ckpt", [{"fault": "kill", "downtime_s": 9.0, "recovery": "checkpoint restart"}])
     with pytest.raises(DtkError, match="--calibrate: .* has no in-place recovery"):
@@ -170,6 +206,7 @@ def test_productivity_cli_writes_json_and_png(monkeypatch, capsys, tmp_path):
                              "--calibrate", str(tmp_path / "run"), "--json", str(tmp_path / "p.json"))
     assert code == 0, err
     assert "recovery time needed for 90.0%" in out and "median downtime_s of 1" in out
+    assert "inplace protection cost 0.0%" in out and "inplace keeps more of the time" in out
     data = json.loads((tmp_path / "p.json").read_text())
     assert data["inputs"]["gpus"] == [16384, 131072] and "command" in data["inputs"]
     big = data["results"][1]["methods"]
@@ -186,6 +223,9 @@ def test_productivity_cli_writes_json_and_png(monkeypatch, capsys, tmp_path):
     (["--days", "0"], "--days: got 0"),
     (["--recovery-s", "1", "--calibrate", "x"], "--recovery-s and --calibrate"),
     (["--calibrate", "no/such/run"], "--calibrate: got 'no/such/run', which has no summary.json"),
+    (["--protection-cost", "1.5"], "--protection-cost: got 1.5; accepted: a fraction"),
+    (["--calibrate-baseline", "x"], "--calibrate-baseline: got 'x' without --calibrate"),
+    (["--redo-s", "-1"], "--redo-s: got -1"),
 ])
 def test_productivity_bad_flags_one_line_exit_2_nothing_written(monkeypatch, capsys, tmp_path, args, message):
     code, out, err = run_cli(monkeypatch, capsys, "simulate", "productivity", *args, "--json", str(tmp_path / "p.json"))
