@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from dtk.errors import DtkError
 from dtk.metrics import append_event
+from dtk.resilience.congestion import parse as parse_congestion
 from dtk.resilience import protocol as keys
 
 log = logging.getLogger(__name__)
@@ -70,15 +71,13 @@ class Fault:
 
 def parse(spec: str, *, world: int, fault_id: str, flag: str = "--fault", hosts: int | None = None,
           nodes: int | None = None):
-    """`kill:rank=1,step=20` -> Fault; `congest:pair=0-1,rate=200mbit,step=5` -> dtk.testbed.shape.Congestion, only
+    """`kill:rank=1,step=20` -> Fault; `congest:pair=0-1,rate=200mbit,step=5` -> dtk.resilience.congestion.Congestion, only
     on a test bed of `hosts` hosts; `kill-host:host=1,step=5` -> a Fault of the host's first rank, on a run of
     `nodes` nodes (default: `hosts`). A bad spec raises DtkError naming the flag, the value and what is accepted."""
     kind, _, rest = spec.partition(":")
     if kind not in FAULTS:
         raise DtkError(f"{flag}: got {spec!r}; the fault must be one of {', '.join(FAULTS)}")
     if kind == "congest":  # applied on the test bed by its driver (the root namespace), never inside a rank
-        from dtk.testbed.shape import parse as parse_congestion
-
         congestion = parse_congestion(spec, hosts=hosts, flag=flag)
         if hosts is None:
             raise DtkError(f"{flag}: got {spec!r}; congest needs the ranks on the test bed: add --testbed H "
