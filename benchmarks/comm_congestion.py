@@ -12,7 +12,8 @@ import math
 import statistics
 from pathlib import Path
 
-from dtk.bench import parse_size, run_modes
+from dtk.bench import run_modes
+from dtk.sizes import parse_size
 
 
 def main() -> None:

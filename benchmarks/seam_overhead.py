@@ -15,7 +15,8 @@ from pathlib import Path
 
 from overhead import NPROC, RESULTS, alternate, compare, print_table, run_plain
 
-from dtk.bench import human_size, parse_size, run_sweep
+from dtk.bench import run_sweep
+from dtk.sizes import human_size, parse_size
 
 
 def main() -> None:

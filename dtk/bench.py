@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import re
 import socket
 import sys
 import time
@@ -13,18 +12,9 @@ from pathlib import Path
 
 from dtk.comm.seam import bus_factor
 from dtk.errors import DtkError
+from dtk.sizes import human_size
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter")
-_SIZE = re.compile(r"^\s*(\d+)\s*([KMG]?)(?:I?B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-def parse_size(text: str, flag: str) -> int:
-    """'4K', '64M', '1G' (binary units, as nccl-tests) or plain bytes '4096' -> bytes."""
-    m = _SIZE.match(text or "")
-    if not m or int(m.group(1)) == 0:
-        raise DtkError(f"{flag}: got '{text}'; accepted: a size like 4K, 1M, 64M")
-    return int(m.group(1)) * _UNITS[m.group(2).upper()]
 
 
 def sizes(min_bytes: int, max_bytes: int) -> list[int]:
@@ -135,13 +125,6 @@ def _sweep_rank(rank: int, nproc: int, port: int, queue, kinds, byte_sizes, iter
     if rank == 0:
         queue.put(rows)
     dist.destroy_process_group()
-
-
-def human_size(n: int) -> str:
-    for unit, scale in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
-        if n >= scale and n % scale == 0:
-            return f"{n // scale}{unit}"
-    return str(n)
 
 
 def print_table(rows: list[dict], *, title: str) -> None:

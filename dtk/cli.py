@@ -412,7 +412,8 @@ def bench_comm(
 ) -> None:
     """nccl-tests-like sweep: time, algbw and busbw per size, native backend vs dtk's seam (or, with --comm,
     comm modes side by side; with --testbed, on an emulated network, congested with --congest)."""
-    from dtk.bench import parse_size, run_modes, run_sweep
+    from dtk.bench import run_modes, run_sweep
+    from dtk.sizes import parse_size
 
     testbed = _testbed_hosts(testbed)
     if comm is not None or testbed or congest or out_dir:
@@ -455,7 +456,7 @@ def probe(
     """Bandwidth and latency between every pair of hosts (table + JSON); names the slowest link. Under srun, with
     neither --testbed nor --hosts: the job step's nodes, as `dtk train` takes them."""
     from dtk import probe as pr
-    from dtk.bench import parse_size
+    from dtk.sizes import parse_size
 
     nbytes = parse_size(size, "--size")
     testbed = _testbed_hosts(testbed)

@@ -294,6 +294,6 @@ def _report(result: dict, *, title: str, json_out: str | None, show: bool) -> No
 
 
 def human(n: int) -> str:
-    from dtk.bench import human_size
+    from dtk.sizes import human_size
 
     return human_size(n) + "B"

@@ -189,7 +189,7 @@ def congestion(
     png: Annotated[Optional[str], typer.Option(metavar="FILE", help="Write the gain distribution plot here.")] = None,
 ) -> None:
     """All-reduce algbw under random congested links: native ring vs an adaptive plan (reordered ring, leaf tree)."""
-    from dtk.bench import parse_size
+    from dtk.sizes import parse_size
     from dtk.sim import congestion as cg
     from dtk.sim import output
 
