@@ -23,6 +23,7 @@ import torch.distributed as dist
 from dtk import recipe as recipes
 from dtk.metrics import append_event
 from dtk.netif import backend_env
+from dtk.parentdeath import die_with_parent
 from dtk.report import ProgressLine, write_summary
 from dtk.resilience import faults
 from dtk.resilience import protocol as keys
@@ -45,12 +46,7 @@ def _rank_preexec() -> None:
     exec; dtk.worker's watch thread tells the launcher's from another's)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # taken by one thread of the rank (dtk.worker)
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    die_with_parent()
 
 
 @dataclass(kw_only=True)

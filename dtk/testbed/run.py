@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from dtk import recipe as recipes
 from dtk.errors import DtkError
 from dtk.metrics import append_event
+from dtk.parentdeath import die_with_parent
 from dtk.resilience import faults as fl
 from dtk.resilience import protocol as keys
 from dtk.testbed import shape
@@ -42,12 +43,7 @@ def _launcher_preexec() -> None:
     """A launcher gets its own process group (the driver forwards one Ctrl-C to it, never two) and dies with the
     driver; its ranks die with it (they carry the same parent-death signal)."""
     os.setpgrp()
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+    die_with_parent()
 
 
 class TestbedRun:
