@@ -168,7 +168,7 @@ class Trainer:
         step = start_step
         self.last_record: dict | None = None
         Seam.stats.take()  # the engine's start-up traffic (DDP's broadcast, DeepSpeed's init) is not a step's
-        if self.parity is not None and not self.parity.slots:  # (a rebuilt replacement's recovery protected it)
+        if self.parity is not None and not self.parity.protected:  # (a rebuilt replacement's rows are protected)
             self.parity.protect(step)
         while step < r.training.steps:
             record = self.train_step(step)
@@ -188,8 +188,8 @@ class Trainer:
                 self._sums = None  # a rollback changed the state on purpose: the checksum starts again
                 self.resume_records(step)  # a rollback to an older protected step redoes the steps after it
                 continue
-            if self.parity is not None:
-                self.parity.protect(step)  # built while the next step's forward and backward run
+            if self.parity is not None and self.parity.due(step):  # resilience.protect_every
+                self.parity.protect(step, step_seconds=record["step_seconds"])  # overlaps the next forward/backward
             for event in comm_boundary(step):  # comm.mode adaptive: the planner may change the plan here
                 if self.writer:
                     self.writer.event(event)

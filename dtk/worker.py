@@ -154,8 +154,10 @@ def run_rank() -> None:
         # sharded state is rebuilt from erasure parity; every rank (a replacement too) makes the same groups
         from dtk.resilience.parity import build_keeper
 
-        parity = build_keeper(state=engine.local_state, resilience=recipe.resilience,
-                              nproc_per_node=recipe.world.nproc)
+        # only what no peer can make again: an engine may leave its replicated state out and rebuild it
+        parity = build_keeper(state=getattr(engine, "protected_state", engine.local_state),
+                              rebuild=getattr(engine, "rebuild_replicated", None), local_state=engine.local_state,
+                              resilience=recipe.resilience, nproc_per_node=recipe.world.nproc)
     timeline["engine_at"] = time.time()
     control = Control(address=os.environ["DTK_STORE"], rank=rank, attempt=attempt)
     injector = Injector(rank=rank, store=control.run_store, engine=engine)

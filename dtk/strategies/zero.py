@@ -100,6 +100,35 @@ class ZeroEngine:
             materialize_optimizer_state(self.optimizer.optimizer)
         return low + master + optimizer_tensors(self.optimizer.optimizer, master)
 
+    def protected_state(self) -> list[torch.Tensor]:
+        """local_state() without the low-precision parameters: no peer's parity need hold what the master
+        partitions make again (rebuild_replicated)."""
+        low, master = self._flat_groups()
+        self.local_state()  # creates the optimizer state of a fresh engine
+        return master + optimizer_tensors(self.optimizer.optimizer, master)
+
+    def rebuild_replicated(self) -> None:
+        """Collective: the low-precision parameters from the master partitions, as DeepSpeed's step makes them
+        (ZeRO-1/2: cast my partition, then all-gather every rank's; ZeRO-3: cast my partition)."""
+        opt = self.optimizer
+        with torch.no_grad():
+            if self.stage == 3:
+                for low, master in zip(opt.fp16_partitioned_groups_flat, opt.fp32_partitioned_groups_flat):
+                    low.copy_(master)
+                return
+            from deepspeed.runtime.utils import all_gather_dp_groups
+
+            for i, master in enumerate(opt.single_partition_of_fp32_groups):
+                me = torch.distributed.get_rank(group=opt.real_dp_process_group[i])
+                opt.parallel_partitioned_bit16_groups[i][me].copy_(master)
+            all_gather_dp_groups(groups_flat=opt.bit16_groups_flat,
+                                 partitioned_param_groups=opt.parallel_partitioned_bit16_groups,
+                                 dp_process_group=opt.real_dp_process_group,
+                                 start_alignment_factor=opt.nccl_start_alignment_factor,
+                                 allgather_bucket_size=opt.allgather_bucket_size)
+            for i in range(len(opt.bit16_groups)):
+                opt._update_model_bit16_weights(i)
+
     def match_running_layout(self, x, y) -> None:
         pass  # a joining ZeRO-3 engine starts with no parameter trace; so do the others after a failure (discard_step)
 
