@@ -53,7 +53,8 @@ def _rehearse(recipe, ctx, group, *, model, rank: int, warm) -> None:
     """A sharded engine depends on its rank, so a shadow cannot build the one it will run before it is promoted.
     It builds one for a rank it may take, on its local group, and throws it away: the first build of a process
     pays for lazy imports, DeepSpeed's config and op set-up and the allocator's first pages (2.3 s for a tiny
-    ZeRO model here); a second one, for the real rank at promotion, takes milliseconds."""
+    ZeRO model here); a second one, for the real rank at promotion, takes milliseconds. ZeRO-3 too: each build numbers
+its modules from 0 (dtk.strategies.zero)."""
     import copy
     import gc
 
@@ -67,6 +68,10 @@ def _rehearse(recipe, ctx, group, *, model, rank: int, warm) -> None:
         engine = build_engine(recipe.strategy.name, BuildContext(model_factory=lambda: model, recipe=recipe,
                                                                  group=group, device=ctx.device))
         engine.match_running_layout(*warm)
+        # and runs a forward and backward (on the local group its collectives complete at once): the process's
+        # first pass pays for autograd's and the kernels' lazy set-up, which the promoted engine's first step would
+        engine.forward_backward(*warm, last_micro=True)
+        engine.discard_step()
     del engine, model
     gc.collect()
     logging.getLogger(__name__).info("rehearsed a %s engine for rank %d in %.2fs", recipe.strategy.name, rank,

@@ -16,6 +16,20 @@ def _quiet_deepspeed() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def _number_modules_from_zero() -> None:
+    """ZeRO-3 numbers the modules it hooks (their ds_id, the keys of its module trace, checked across ranks) with
+    a counter that is the mutable default argument of DeepSpeedZeRoOffload._register_deepspeed_module
+    (`count=[0]`): it lives as long as the process, so a process's second engine numbers its modules after the
+    first one's. A shadow that rehearsed a build then traced under ids shifted by one model's count and failed the
+    cross-rank check. Every build starts the count (and that of zero.Init's parameter ids) from 0, as a fresh
+    process does."""
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0][0] = 0
+    Init.param_id = 0
+
+
 class ZeroEngine:
     def __init__(self, ctx: BuildContext, *, stage: int):
         _quiet_deepspeed()
@@ -54,6 +68,8 @@ class ZeroEngine:
         }
         model = ctx.model_factory().to(ctx.device)
         optimizer = build_torch_optimizer(model.parameters(), r.optimizer)
+        if stage == 3:
+            _number_modules_from_zero()
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         self.module = self.engine.module
 
