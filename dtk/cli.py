@@ -182,6 +182,10 @@ def compare(
         help="Inject this fault into every variant (the same schedule for each): KIND:rank=R,step=S; repeatable.")] = None,
     testbed: Annotated[int, typer.Option(min=0, max=64, help="Run each variant on an emulated network of H hosts "
                                                             "(root; world.nproc ranks per host); --fault congest:...")] = 0,
+    mtbf: Annotated[Optional[str], typer.Option(help="Also inject faults at random, this mean time apart (e.g. 30s): "
+                                                     "the same schedule (seconds after start, rank) for every variant.")] = None,
+    mtbf_fault: Annotated[str, typer.Option(help="The kind of the random faults.")] = "kill",
+    seed: Annotated[int, typer.Option(help="Seed of the random faults (which rank, when).")] = 0,
 ) -> None:
     """Run a recipe under several strategies or overrides, one after another; table + compare.json/.md/.png."""
     import shlex
@@ -202,10 +206,21 @@ def compare(
         from dtk.testbed.run import check_steps
 
         check_steps(injected, steps=variants[0].recipe.training.steps)  # steps are shared by every variant
+    one_rank = [k for k in fl.FAULTS if k not in ("congest", "kill-host")]
+    if mtbf and testbed:
+        raise DtkError(f"--mtbf: got {mtbf!r} with --testbed {testbed}; accepted: --mtbf on local ranks only")
+    if mtbf_fault not in one_rank:
+        raise DtkError(f"--mtbf-fault: got {mtbf_fault!r}; accepted: {', '.join(one_rank)}")
+    schedule = fl.random_schedule(mtbf_s=fl.parse_duration(mtbf, "--mtbf"), seed=seed,
+                                  world=min(v.recipe.world.nproc for v in variants)) if mtbf else []
+    if mtbf_fault == "corrupt" and schedule:
+        for v in variants:
+            v.recipe.resilience.checksum_every = v.recipe.resilience.checksum_every or 1
     folder = cmp.prepare_out_dir(out_dir, recipe)
     command = "dtk " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     result = cmp.run(recipe_path=recipe, variants=variants, out_dir=folder, command=command, console=out,
-                     parity_tolerance=assert_parity, show_progress=progress, inject=injected, testbed=testbed)
+                     parity_tolerance=assert_parity, show_progress=progress, inject=injected, testbed=testbed,
+                     fault_schedule=schedule, schedule_kind=mtbf_fault)
     cmp.write(result)
     out.print(cmp.table(result))
     out.print(cmp.verdict_line(result), highlight=False)
