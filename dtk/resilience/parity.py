@@ -46,6 +46,7 @@ from dtk.comm.group import Seam
 from dtk.recipe import parity_layout
 from dtk.resilience.erasure import RSLayout, XorLayout
 from dtk.resilience.schedule import DEFAULT_MTBF_S, ProtectSchedule
+from dtk.resilience.staging import FlatState
 
 log = logging.getLogger(__name__)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -83,39 +84,6 @@ def agree_step(usable: dict[int, list[int]], *, lost: set[int]) -> int:
         raise ParityLost(f"no step boundary is protected on every survivor (usable steps per rank: {usable}); "
                          f"lost ranks {sorted(lost)} cannot be rebuilt")
     return max(common)
-
-
-class FlatState:
-    """A list of live tensors seen as one flat byte string (each tensor's bytes through a uint8 view)."""
-
-    def __init__(self, tensors: list[torch.Tensor]):
-        self.views = []
-        for i, t in enumerate(tensors):
-            if not t.is_contiguous():
-                raise ValueError(f"state tensor {i} is not contiguous; its bytes cannot be written back in place")
-            self.views.append(t.detach().reshape(-1).view(torch.uint8))
-        self.nbytes = sum(v.numel() for v in self.views)
-
-    def xor_into(self, dst: torch.Tensor, start: int) -> None:
-        """dst ^= flat bytes [start, start + len(dst)) (bytes past the end of the state count as zeros)."""
-        self._walk(dst, start, lambda view, part: part.bitwise_xor_(view))
-
-    def copy_into(self, dst: torch.Tensor, start: int) -> None:
-        """dst <- flat bytes [start, start + len(dst)) (bytes of dst past the end of the state are left alone)."""
-        self._walk(dst, start, lambda view, part: part.copy_(view))
-
-    def write_from(self, src: torch.Tensor, start: int) -> None:
-        """Flat bytes [start, start + len(src)) <- src (bytes past the end of the state are ignored)."""
-        with torch.no_grad():
-            self._walk(src, start, lambda view, part: view.copy_(part))
-
-    def _walk(self, buf: torch.Tensor, start: int, op) -> None:
-        stop, offset = start + buf.numel(), 0
-        for v in self.views:
-            lo, hi = max(start, offset), min(stop, offset + v.numel())
-            if lo < hi:
-                op(v[lo - offset:hi - offset], buf[lo - start:hi - start])
-            offset += v.numel()
 
 
 @dataclass
