@@ -94,6 +94,12 @@ def _rehearse(recipe, ctx, group, *, model, rank: int, warm) -> None:
         engine.match_running_layout(*warm)
     del engine, model
     gc.collect()
+    # DTensor caches sharding propagation keyed by the mesh, and a mesh compares equal to the rehearsal's whatever
+    # this process's coordinate in it: without this, the real engine's optimizer states (made by DTensor ops) kept
+    # the rehearsal rank's offsets, and the first checkpoint after the promotion failed DCP's global plan check
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
     logging.getLogger(__name__).info("rehearsed a %s engine for rank %d in %.2fs", recipe.strategy.name, rank,
                                      time.time() - t0)
 
