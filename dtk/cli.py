@@ -27,6 +27,16 @@ RecipeArg = Annotated[str, typer.Argument(help="The recipe YAML file.")]
 OverridesArg = Annotated[Optional[list[str]], typer.Argument(help="Overrides as key.path=value, e.g. training.steps=50.")]
 
 
+def _testbed_hosts(value: int | None) -> int:
+    """--testbed H: 0 when it is left out; a test bed of fewer than 2 hosts is not one."""
+    if value is None:
+        return 0
+    if value < 2:
+        raise DtkError(f"--testbed: got {value}; accepted: 2..64 hosts (leave it out to run on this host's own "
+                       "network)")
+    return value
+
+
 def _parse_endpoint(value: str | None) -> str | None:
     if value is None:
         return None
@@ -48,8 +58,8 @@ def train(
                                                               "srun: the first node, port DTK_RDZV_PORT, MASTER_PORT "
                                                               "or 29500.")] = None,
     progress: Annotated[bool, typer.Option(help="Show the live progress line.")] = True,
-    testbed: Annotated[int, typer.Option(min=0, max=64, help="Run on an emulated network of H hosts (root): "
-                                                            "world.nproc ranks and one launcher on each.")] = 0,
+    testbed: Annotated[Optional[int], typer.Option(max=64, help="Run on an emulated network of H hosts, 2..64 "
+                                                                "(root): world.nproc ranks and one launcher on each.")] = None,
     fault: Annotated[Optional[list[str]], typer.Option(
         help="Inject a fault: KIND:rank=R,step=S, or on a test bed congest:pair=I-J,rate=R,step=S; repeatable.")] = None,
     live_control: Annotated[bool, typer.Option(hidden=True, help="Serve `dtk inject-failure --run` (node 0).")] = True,
@@ -69,9 +79,10 @@ def train(
     if node_rank >= nnodes:
         raise DtkError(f"--node-rank: got {node_rank}; accepted: 0..{nnodes - 1} (--nnodes is {nnodes})")
     endpoint = _parse_endpoint(rdzv_endpoint)
-    if testbed == 1 or (testbed and (nnodes != 1 or endpoint)):
-        raise DtkError(f"--testbed: got {testbed}" + (" with --nnodes/--rdzv-endpoint" if testbed > 1 else "") +
-                       "; accepted: 2..64 hosts, alone (the test bed sets nodes, node ranks and the endpoint)")
+    testbed = _testbed_hosts(testbed)
+    if testbed and (nnodes != 1 or endpoint):
+        raise DtkError(f"--testbed: got {testbed} with --nnodes/--rdzv-endpoint; accepted: 2..64 hosts, alone (the "
+                       "test bed sets nodes, node ranks and the endpoint)")
     if testbed:
         from dtk.testbed.net import check_environment
 
@@ -81,6 +92,7 @@ def train(
     world = r.world.nproc * (testbed or nnodes)
     parsed = [fl.parse(spec, world=world, fault_id=f"f{i}", hosts=testbed or None, nodes=testbed or nnodes)
               for i, spec in enumerate(fault or [])]
+    fl.check_reachable(parsed, steps=r.training.steps, mode=r.resilience.mode)
     if any(f.kind == "corrupt" for f in parsed) and not r.resilience.checksum_every:
         r.resilience.checksum_every = 1  # a corruption must be caught, never trained on
     if testbed:
@@ -94,7 +106,7 @@ def train(
     code, run_dir = launch(r, recipe_path=recipe, topology=topo, show_progress=progress, inject=parsed,
                            live_control=live_control)
     if node_rank:  # node 0 prints the run's result; another node says how its own part ended
-        state = {0: "done", 130: "interrupted"}.get(code, "failed")
+        state = {0: "done", 130: "interrupted", 143: "interrupted (SIGTERM)"}.get(code, "failed")
         out.print(f"node {node_rank}: {state}; its summary: {run_dir / f'summary-node{node_rank}.json'} "
                   f"(node 0 writes the run's summary.json)", highlight=False)
     else:
@@ -107,31 +119,42 @@ def _print_run_result(run_dir, code: int) -> None:
 
     from dtk.report import human_bytes
 
-    summary = json.loads((run_dir / "summary.json").read_text())
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):  # not written (a full disk: the launcher said so)
+        out.print(f"[red]failed[/]: run folder {run_dir}", highlight=False)
+        return
     if code == 0:
         out.print(f"[green]done[/]: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
                   f"{summary['throughput']:,.0f} {summary['throughput_unit']}, "
                   f"p50 step {summary['step_time_p50'] * 1000:.0f} ms, "
                   f"peak {human_bytes(summary['peak_memory_bytes'])}, "
-                  f"comm {human_bytes(summary['comm']['bytes_per_step'])}/step; run folder {run_dir}")
+                  f"comm {human_bytes(summary['comm']['bytes_per_step'])}/step"
+                  + (f", eval loss {summary['eval_loss']:.4f}" if summary.get("eval_loss") is not None else "")
+                  + f"; run folder {run_dir}")
         for f in summary["failures"]:
             out.print(f"  recovered: rank {f['rank']} ({f['fault']}) at step {f.get('step')}, "
                       f"downtime {_fmt(f.get('downtime_s'))}s, {f.get('steps_lost', 0)} steps lost", highlight=False)
-    elif code == 130:
+    elif code in (130, 143):  # Ctrl-C; SIGTERM (Slurm, Kubernetes), after the ranks saved the step they were at
         from dtk.resilience import checkpoint
 
         found = checkpoint.latest(run_dir)
         resume = (f"resumable from the checkpoint of step {found[0]}: run the same command with "
                   f"output.dir={run_dir}" if found else "not resumable: no checkpoint was saved (set checkpoint.every)")
-        out.print(f"[yellow]interrupted[/] at step {summary['steps']}; {resume}", highlight=False)
+        by = " (SIGTERM)" if code == 143 else ""
+        out.print(f"[yellow]interrupted{by}[/] at step {summary['steps']}; {resume}", highlight=False)
     else:
         out.print(f"[red]failed[/]: run folder {run_dir}", highlight=False)
 
 
 @app.command()
-def validate(recipe: RecipeArg, overrides: OverridesArg = None) -> None:
-    """Check a recipe (and overrides) without running it; print the resolved recipe."""
+def validate(recipe: RecipeArg, overrides: OverridesArg = None,
+             nnodes: Annotated[int, typer.Option(min=1, help="Check it for a run on this many nodes, as `dtk train "
+                                                             "--nnodes` would.")] = 1) -> None:
+    """Check a recipe (and overrides) without running it, as `dtk train` would before starting a rank (its model
+    imports, in-place recovery has a survivor); print the resolved recipe."""
     r = recipes.load(recipe, overrides or [])
+    recipes.check_launch(r, nnodes=nnodes)
     out.print(recipes.dump(r), end="", highlight=False)
     out.print(f"[green]ok[/]: {recipe}")
 
@@ -169,6 +192,43 @@ def datasets() -> None:
     _listing("data sets", DATASETS)
 
 
+data_app = typer.Typer(no_args_is_help=True, help="Your own data: tokenize a corpus once into memory-mapped tokens.")
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("prepare")
+def data_prepare(
+    sources: Annotated[Optional[list[str]], typer.Argument(
+        help="Text files (.txt, .md), .jsonl, .parquet, folders of them, or a datasets save_to_disk folder.")] = None,
+    out_dir: Annotated[Optional[str], typer.Option("--out", help="The folder to write (new or empty): train.bin, val.bin, "
+                                                             "meta.json, tokenizer/.")] = None,
+    tokenizer: Annotated[Optional[str], typer.Option(help="A local HF tokenizer folder (tokenizer.json, as "
+                                                          "save_pretrained writes it).")] = None,
+    train_tokenizer: Annotated[Optional[int], typer.Option(metavar="VOCAB", help="Train a byte-level BPE of this "
+                                                           "vocabulary on the corpus instead (offline).")] = None,
+    field: Annotated[str, typer.Option(help="The text field of .jsonl rows / column of .parquet and saved "
+                                            "datasets.")] = "text",
+    val_share: Annotated[float, typer.Option(help="Share of the tokens (the corpus's last) kept for validation; at "
+                                                  "least one sequence.")] = 0.005,
+    val: Annotated[Optional[list[str]], typer.Option(help="A given validation set instead of --val-share; "
+                                                          "repeatable.")] = None,
+    seq_len: Annotated[int, typer.Option(help="The context recorded in meta.json (data.seq_len's default).")] = 256,
+    num_proc: Annotated[int, typer.Option(min=0, help="Tokenizer threads (and datasets' loading processes); 0 = "
+                                                      "every core.")] = 0,
+    progress: Annotated[bool, typer.Option(help="Show the progress bar.")] = True,
+) -> None:
+    """Tokenize a corpus into DIR: train.bin / val.bin (uint16 or uint32), meta.json, the tokenizer; then train with
+    data.name=tokens data.path=DIR."""
+    if not out_dir:
+        raise DtkError("--out: missing; accepted: --out DIR, a new or empty folder")
+    from dtk.data.prepare import prepare, summary_line
+
+    meta = prepare(sources=list(sources or []), out=out_dir, tokenizer=tokenizer, train_tokenizer=train_tokenizer,
+                   field=field, val_share=val_share, val=list(val or []), seq_len=seq_len, num_proc=num_proc,
+                   progress=progress)
+    out.print(summary_line(meta, out_dir), highlight=False)
+
+
 @app.command()
 def compare(
     recipe: RecipeArg,
@@ -180,8 +240,9 @@ def compare(
     progress: Annotated[bool, typer.Option(help="Show each run's progress line.")] = True,
     fault: Annotated[Optional[list[str]], typer.Option(
         help="Inject this fault into every variant (the same schedule for each): KIND:rank=R,step=S; repeatable.")] = None,
-    testbed: Annotated[int, typer.Option(min=0, max=64, help="Run each variant on an emulated network of H hosts "
-                                                            "(root; world.nproc ranks per host); --fault congest:...")] = 0,
+    testbed: Annotated[Optional[int], typer.Option(max=64, help="Run each variant on an emulated network of H "
+                                                                "hosts, 2..64 (root; world.nproc ranks per host); "
+                                                                "--fault congest:...")] = None,
     mtbf: Annotated[Optional[str], typer.Option(help="Also inject faults at random, this mean time apart (e.g. 30s): "
                                                      "the same schedule (seconds after start, rank) for every variant.")] = None,
     mtbf_fault: Annotated[str, typer.Option(help="The kind of the random faults.")] = "kill",
@@ -194,18 +255,17 @@ def compare(
     from dtk.resilience import faults as fl
 
     variants = cmp.resolve(recipe, overrides or [], strategies=strategies, variant_flags=variant or [])
-    if testbed == 1:
-        raise DtkError("--testbed: got 1; accepted: 2..64 hosts (or 0 for local ranks)")
+    testbed = _testbed_hosts(testbed)
+    for v in variants:  # before the first variant runs, not when its turn comes
+        recipes.check_launch(v.recipe, nnodes=max(testbed, 1))
     if testbed:
         from dtk.testbed.net import check_environment
 
         check_environment()
     injected = [fl.parse(spec, world=min(v.recipe.world.nproc for v in variants) * max(testbed, 1), fault_id=f"f{i}",
                          hosts=testbed or None) for i, spec in enumerate(fault or [])]
-    if testbed:
-        from dtk.testbed.run import check_steps
-
-        check_steps(injected, steps=variants[0].recipe.training.steps)  # steps are shared by every variant
+    for v in variants:  # steps are shared by every variant, resilience.mode need not be
+        fl.check_reachable(injected, steps=v.recipe.training.steps, mode=v.recipe.resilience.mode)
     one_rank = [k for k in fl.FAULTS if k not in ("congest", "kill-host")]
     if mtbf and testbed:
         raise DtkError(f"--mtbf: got {mtbf!r} with --testbed {testbed}; accepted: --mtbf on local ranks only")
@@ -268,6 +328,7 @@ def inject_failure(
     r = recipes.load(recipe_path, overrides)
     world = r.world.nproc
     parsed = [fl.parse(spec, world=world, fault_id=f"f{i}") for i, spec in enumerate(specs)]
+    fl.check_reachable(parsed, steps=r.training.steps, mode=r.resilience.mode)
     one_rank = [k for k in fl.FAULTS if k not in ("congest", "kill-host")]  # those two need several hosts
     if mtbf_fault not in one_rank:
         raise DtkError(f"--mtbf-fault: got {mtbf_fault!r}; accepted: {', '.join(one_rank)}")
@@ -281,7 +342,21 @@ def inject_failure(
                            fault_schedule=schedule, schedule_kind=mtbf_fault)
     _print_recovery_report(run_dir)
     _print_run_result(run_dir, code)
+    _print_unfired(run_dir, parsed, mtbf=mtbf)
     raise typer.Exit(code)
+
+
+def _print_unfired(run_dir, parsed: list, *, mtbf: str | None) -> None:
+    """A chaos run whose faults did not fire tested nothing: say so, beside the result."""
+    import json
+
+    fired = set(json.loads((run_dir / "summary.json").read_text()).get("faults_fired", []))
+    for f in parsed:
+        if f.id not in fired:
+            out.print(f"[yellow]not fired[/]: {f.spec()} (the run ended before it came due)", highlight=False)
+    if mtbf and not any(i.startswith("mtbf") for i in fired):
+        out.print(f"[yellow]--mtbf {mtbf}: no random fault fired[/]: every one came due outside training (before the "
+                  f"ranks started, during a recovery, or after the last step); nothing was tested", highlight=False)
 
 
 def _fmt(x) -> str:
@@ -343,8 +418,8 @@ def bench_comm(
     json_out: Annotated[Optional[str], typer.Option("--json", help="Also write the rows to this JSON file.")] = None,
     comm: Annotated[Optional[str], typer.Option(help="Comma list of comm modes (native, adaptive) to compare "
                                                      "instead of native vs seam.")] = None,
-    testbed: Annotated[int, typer.Option(min=0, max=64, help="Run the ranks on an emulated network of N hosts "
-                                                            "(root; one rank per host).")] = 0,
+    testbed: Annotated[Optional[int], typer.Option(max=64, help="Run the ranks on an emulated network of N hosts, "
+                                                                "2..64 (root; one rank per host).")] = None,
     congest: Annotated[Optional[list[str]], typer.Option(help="Congestion on the test bed, repeatable: "
                                                               "pair=I-J,rate=R or host=I,rate=R.")] = None,
     out_dir: Annotated[Optional[str], typer.Option("--out", help="Folder for bench.json and events.jsonl.")] = None,
@@ -353,13 +428,12 @@ def bench_comm(
     comm modes side by side; with --testbed, on an emulated network, congested with --congest)."""
     from dtk.comm.bench import parse_size, run_modes, run_sweep
 
+    testbed = _testbed_hosts(testbed)
     if comm is not None or testbed or congest or out_dir:
         kinds = [k.strip() for k in ops.split(",") if k.strip()]
         bad = [k for k in kinds if k not in ("all_reduce", "all_gather", "reduce_scatter")]
         if bad:
             raise DtkError(f"--ops: got {bad[0]!r}; accepted: all_reduce, all_gather, reduce_scatter")
-        if testbed == 1:
-            raise DtkError("--testbed: got 1; accepted: 2..64 hosts (or 0 for local ranks)")
         modes = [m.strip() for m in (comm or "native,adaptive").split(",") if m.strip()]
         run_modes(nproc=nproc, kinds=kinds, min_bytes=parse_size(min_bytes, "--min-bytes"),
                   max_bytes=parse_size(max_bytes, "--max-bytes"), iters=iters, warmup=warmup, modes=modes,
@@ -376,8 +450,8 @@ def bench_comm(
 
 @app.command()
 def probe(
-    testbed: Annotated[int, typer.Option(min=0, max=64, help="Probe an emulated network of N hosts (root; brought "
-                                                            "up and torn down by this command).")] = 0,
+    testbed: Annotated[Optional[int], typer.Option(max=64, help="Probe an emulated network of N hosts, 2..64 "
+                                                                "(root; brought up and torn down by this command).")] = None,
     congest: Annotated[Optional[list[str]], typer.Option(help="Congestion on the test bed, repeatable: "
                                                               "pair=I-J,rate=R or host=I,rate=R.")] = None,
     hosts: Annotated[int, typer.Option(min=0, help="Real hosts: run one `dtk probe` per host with the same "
@@ -398,6 +472,9 @@ def probe(
     from dtk.comm.bench import parse_size
 
     nbytes = parse_size(size, "--size")
+    testbed = _testbed_hosts(testbed)
+    if hosts == 1:
+        raise DtkError("--hosts: got 1; accepted: 2 hosts or more (a probe measures the links between hosts)")
     if not testbed and not hosts:  # under srun (one `dtk probe` per node): the hosts as `dtk train` takes them
         import os
 

@@ -180,6 +180,11 @@ class Comparison:
         """True when some variant measured held-out accuracy (gcpsl): the table gains its columns."""
         return any(v.get("accuracy") is not None for v in self.variants)
 
+    @property
+    def evaluated(self) -> bool:
+        """True when some variant evaluated on held-out data (eval.every): the table gains an eval-loss column."""
+        return any(v.get("eval_loss") is not None for v in self.variants)
+
     def verdict(self) -> dict[str, str]:
         done = self.done
         if not done:
@@ -245,6 +250,7 @@ def _record(v: Variant, *, code: int, run_dir: Path, params: int, world: int) ->
         "comm_formula": comm_formula,
         "comm_by_kind": summary.get("comm", {}).get("by_kind", {}),
         "final_loss": summary.get("final_loss"),
+        "eval_loss": summary.get("eval_loss"),
         "failures": len(summary.get("failures", [])),
         "downtime_s": sum(f["downtime_s"] for f in summary.get("failures", []) if f.get("downtime_s") is not None),
         "steps_lost": sum(f.get("steps_lost") or 0 for f in summary.get("failures", [])),
@@ -296,7 +302,7 @@ def run(*, recipe_path: str, variants: list[Variant], out_dir: Path, command: st
         if code != 0:
             console.print(f"[red]failed[/]: {v.name} (exit {code}); run folder {run_dir}", highlight=False)
         comparison.variants.append(record)
-        if code == 130:  # interrupted by the user: stop here, keep what ran
+        if code in (130, 143):  # interrupted (Ctrl-C, SIGTERM): stop here, keep what ran
             break
     reference = comparison.variants[0]
     for record in comparison.variants:
@@ -336,6 +342,7 @@ def rows(comparison: Comparison, *, sep: str = "\n") -> list[list[str]]:
             _bytes(v["comm_bytes_per_step"]) if ok else "—",
             f"{_bytes(v['comm_bytes_per_step_analytic'])}{sep}{v['comm_formula']}",
             f"{v['final_loss']:.4f}" if ok and v["final_loss"] is not None else "—",
+        ] + ([f"{v['eval_loss']:.4f}" if ok and v.get("eval_loss") is not None else "—"] if comparison.evaluated else []) + [
             "—" if diff is None else "ref" if v is comparison.variants[0] else f"{diff:.1e}" if diff else "0",
         ] + ([f"{v['downtime_s']:.2f}" if ok else "—", str(v["steps_lost"]) if ok else "—",
               f"{v['productive_time_ratio']:.3f}" if ok and v["productive_time_ratio"] is not None else "—"]
@@ -354,7 +361,8 @@ def headers(comparison: Comparison, *, sep: str = "\n") -> list[str]:
     first = comparison.variants[0]["variant"]
     return ["variant", f"throughput{sep}{_unit(comparison)}", f"step ms{sep}p50 / p95", f"peak memory{sep}measured",
             f"model states{sep}measured", f"model states{sep}analytic", f"comm / step{sep}measured",
-            f"comm / step{sep}analytic", f"final{sep}loss", f"max rel. loss{sep}diff vs {first}"] + (
+            f"comm / step{sep}analytic", f"final{sep}loss"] + ([f"eval{sep}loss"] if comparison.evaluated else []) + [
+            f"max rel. loss{sep}diff vs {first}"] + (
         [f"downtime{sep}s", f"steps{sep}lost", f"productive{sep}time ratio"] if comparison.faults else []) + (
         [f"accuracy{sep}held-out", f"direct{sep}participation", f"s to target{sep}{_target(comparison)}"]
         if comparison.learning else [])

@@ -7,6 +7,7 @@ restarts it from a checkpoint (`resilience.mode: checkpoint`) or recovers it in 
 from __future__ import annotations
 
 import datetime
+import errno
 import json
 import logging
 import os
@@ -24,7 +25,8 @@ from dtk.errors import DtkError
 from dtk.metrics import append_event
 from dtk.report import ProgressLine, write_summary
 from dtk.resilience import faults
-from dtk.resilience.control import RUN_PREFIX, attempt_prefix
+from dtk.resilience.checkpoint import DISK_FULL, disk_full_line
+from dtk.resilience.control import PREEMPT_KEY, RUN_PREFIX, attempt_prefix
 from dtk.resilience.live import LiveControl
 from dtk.resilience.recovery import RecoveryFailed, recover_in_place
 from dtk.resilience.shadow import ShadowPool
@@ -36,6 +38,9 @@ POLL_SECONDS = 0.02
 SHADOW_IDS_PER_NODE = 1000
 LEAVE_WAIT_S = 15.0
 """How long node 0's launcher (it hosts the store) waits at the end for the other nodes' launchers to leave."""
+PREEMPT_WAIT_S = 120.0
+"""After SIGTERM, how long the ranks may take to finish their step and save it before they are stopped."""
+SIGTERM_EXIT = 128 + signal.SIGTERM
 
 
 @dataclass(kw_only=True, slots=True)
@@ -255,6 +260,7 @@ class Launcher:
             self._live_count += len(specs)
         parsed = [faults.parse(s, world=self.world, fault_id=f"live{start + i}", flag="fault",
                                nodes=self.topology.nnodes) for i, s in enumerate(specs)]
+        faults.check_reachable(parsed, steps=self.recipe.training.steps, mode=self.recipe.resilience.mode, flag="fault")
         for f in parsed:
             self.deliver(f)
         append_event(self.run_dir, {"event": "faults scheduled", "faults": [f.spec() for f in parsed]})
@@ -268,6 +274,13 @@ class Launcher:
             if self.run_store.check([key]):
                 out.append(json.loads(self.run_store.get(key)))
         return out
+
+    def fired_ids(self) -> list[str]:
+        """For summary.json: a chaos run whose faults did not fire tested nothing, and the CLI says so."""
+        try:
+            return [f["id"] for f in self.fired()]
+        except dist_error():
+            return []  # node 0's store is gone (another node's launcher, at the end)
 
     def _announced(self) -> list[dict]:
         out = []
@@ -345,12 +358,21 @@ class Launcher:
         self.t_start = time.time()
         self.t_train: float | None = None
         self._resumed_at: float | None = None
+        self._sigterm = False
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._on_sigterm)
         self.start_attempt(0)
         progress = ProgressLine(self.run_dir, total=self.recipe.training.steps, enabled=self.show_progress)
         code = 0
+        disk_full = False
         try:
             with progress:
                 code = self._supervise(progress)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            self.stop_all()
+            code, disk_full = 1, True
         except KeyboardInterrupt:
             self.stop_all()
             code = 130
@@ -363,21 +385,47 @@ class Launcher:
             self.messages.append(f"error: node {self.topology.node_rank} lost the run's store on node 0 ({e!s:.80}); "
                                  "its ranks are stopped.")
         finally:
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
             if live is not None:
                 live.close()
             shadows = self.shadows.summary() if self.shadows else {"count": 0, "promotions": 0, "rss_bytes": []}
             if self.shadows:
                 self.shadows.stop()
+            try:
+                finalize_failures(self)
+                write_summary(self.run_dir, wall_seconds=time.time() - self.t_start,
+                              failures=self.failures + self.remote_failures,
+                              exit_code=code, shadows=shadows, name=self.summary_name, world_size=self.world,
+                              faults_fired=self.fired_ids(),
+                              resilience={"mode": self.recipe.resilience.mode, **self.hangs.describe()})
+            except OSError as e:
+                if e.errno != errno.ENOSPC:
+                    raise
+                code, disk_full = code or 1, True
+            if disk_full or (code and any(DISK_FULL in line for line in self.messages)):
+                self.messages = [disk_full_line(self.run_dir)]  # a rank's traceback would only repeat it
             for line in self.messages:
                 print(line, file=sys.stderr)
-            finalize_failures(self)
-            write_summary(self.run_dir, wall_seconds=time.time() - self.t_start,
-                          failures=self.failures + self.remote_failures,
-                          exit_code=code, shadows=shadows, name=self.summary_name, world_size=self.world,
-                          resilience={"mode": self.recipe.resilience.mode, **self.hangs.describe()})
             if self.topology.nnodes > 1:
                 self._leave(code)
         return code
+
+    def _on_sigterm(self, signum, frame) -> None:
+        self._sigterm = True  # acted on by the watch loop, between two of its decisions (never mid-recovery)
+
+    def _preempt(self) -> int:
+        """SIGTERM (Slurm, Kubernetes): like Ctrl-C, but with checkpoints on, every rank first finishes its step and
+        saves it (dtk.trainer), so that a preempted job loses nothing."""
+        saving = bool(self.recipe.checkpoint.every) and self._started()
+        append_event(self.run_dir, {"event": "interrupted", "by": "SIGTERM", "saving": saving})
+        if saving:
+            self.control.set(PREEMPT_KEY, "1")
+            deadline = time.monotonic() + PREEMPT_WAIT_S
+            while time.monotonic() < deadline and any(p.poll() is None for p in self.procs.values()):
+                time.sleep(POLL_SECONDS)
+        self.stop_all()
+        return SIGTERM_EXIT
 
     def _finished(self, rank: int) -> bool:
         return self.control.check([f"done/{rank}"])
@@ -482,6 +530,8 @@ class Launcher:
     def _supervise(self, progress) -> int:
         next_random, next_progress, next_remote = 0, 0.0, 0.0
         while True:
+            if self._sigterm:
+                return self._preempt()
             if time.monotonic() >= next_progress:  # the ranks need the CPU more than the progress line does
                 progress.update()
                 next_progress = time.monotonic() + 0.2
@@ -649,9 +699,11 @@ class Launcher:
 
 
 def _rank_preexec() -> None:
-    """In a rank's process before exec: die with the launcher (Linux), and ignore Ctrl-C (the launcher handles it
-    for the whole run: it stops the ranks and says where the run stands)."""
+    """In a rank's process before exec: die with the launcher (Linux), ignore Ctrl-C (the launcher handles it for
+    the whole run: it stops the ranks and says where the run stands), and block SIGTERM (its mask is kept across
+    exec; dtk.worker's watch thread tells the launcher's from another's)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # taken by one thread of the rank (dtk.worker)
     try:
         import ctypes
 
@@ -663,9 +715,16 @@ def _rank_preexec() -> None:
 def launch(recipe: recipes.Recipe, *, recipe_path: str | None, topology: Topology | None = None,
            show_progress: bool = True, inject: list | None = None, fault_schedule: list | None = None,
            schedule_kind: str = "kill", live_control: bool = True) -> tuple[int, Path]:
-    recipes.check_parity_layout(recipe, nnodes=(topology or Topology()).nnodes)
+    topology = topology or Topology()
+    recipes.check_launch(recipe, nnodes=topology.nnodes)
+    if recipe.output.dir and recipe.checkpoint.resume == "auto" and topology.nnodes == 1:
+        from dtk.resilience.checkpoint import resume_line
+
+        # ranks skip the same damaged checkpoints: say which, and why (several nodes: check_shared, in run)
+        if line := resume_line(recipe.output.dir):
+            print(f"note: {line}", file=sys.stderr)
     run_dir = prepare_run_dir(recipe, recipe_path)
-    launcher = Launcher(recipe=recipe, run_dir=run_dir, topology=topology or Topology(), show_progress=show_progress,
+    launcher = Launcher(recipe=recipe, run_dir=run_dir, topology=topology, show_progress=show_progress,
                         faults=list(inject or []), fault_schedule=list(fault_schedule or []), schedule_kind=schedule_kind,
                         live_control=live_control)
     return launcher.run(), run_dir

@@ -38,6 +38,19 @@ def append_event(run_dir: str | Path, record: dict) -> None:
         os.close(fd)
 
 
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write `path` whole or not at all (a temp file renamed over it): a full disk or a crash never leaves a half-
+    written one for a resume or a reader to trust."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def read_jsonl(path: str | Path) -> list[dict]:
     p = Path(path)
     if not p.exists():

@@ -49,15 +49,30 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    name: Literal["synthetic", "digits", "text", "cifar10"] = "synthetic"
+    name: Literal["synthetic", "digits", "text", "cifar10", "tokens"] = "synthetic"
+    """Built-in data set; ignored when `target` is set."""
     path: str | None = None
-    """Text file for `text` (char-level); for `cifar10`, the folder of its binary batches (cifar-10-batches-bin)."""
+    """Text file for `text` (char-level); for `cifar10`, the folder of its binary batches (cifar-10-batches-bin); for
+    `tokens`, the folder `dtk data prepare` wrote (train.bin, val.bin, meta.json, tokenizer/)."""
+    target: str | None = None
+    """A user data set as `package.module:function`; the function takes seed= and `kwargs` and returns an object with
+    `spec` (dtk.data.DataSpec), batch(*, step, rank, micro, size) and optionally val_batch(*, index, size)."""
+    kwargs: dict[str, Any] = {}
+    """Extra keyword arguments for a `target` data set."""
     held_out: float = Field(0.0, ge=0.0, lt=1.0)
-    """digits: share of the images kept out of training, for held-out accuracy (cifar10 has its test_batch)."""
+    """digits: share of the images kept out of training; text: share of the file (its end) kept out; both are the
+    validation split evaluation reads (cifar10 has its test_batch, tokens its val.bin)."""
     vocab_size: int = Field(64, ge=2)
     """Vocabulary of `synthetic` tokens."""
     seq_len: int = Field(64, ge=2)
-    """Tokens per sample (`synthetic`, `text`); also the gpt context."""
+    """Tokens per sample (`synthetic`, `text`; `tokens`: meta.json's unless set here); also the gpt context."""
+
+
+class EvalConfig(Section):
+    every: int = Field(0, ge=0)
+    """Evaluate on the data's validation split every N steps (and after the last); 0 = never."""
+    batches: int = Field(8, ge=1)
+    """Held-out batches of training.micro_batch samples per rank in one evaluation (the same ones every time)."""
 
 
 class StrategyConfig(Section):
@@ -195,6 +210,7 @@ class CommConfig(Section):
 class Recipe(Section):
     model: ModelConfig = ModelConfig()
     data: DataConfig = DataConfig()
+    eval: EvalConfig = EvalConfig()
     strategy: StrategyConfig = StrategyConfig()
     optimizer: OptimizerConfig = OptimizerConfig()
     training: TrainingConfig = TrainingConfig()
@@ -236,13 +252,15 @@ def _pydantic_lines(err: ValidationError) -> list[str]:
 def _semantic_lines(r: Recipe) -> list[str]:
     """Checks that span fields; each line names the field to change."""
     lines = []
-    token_data = r.data.name in ("synthetic", "text")
+    token_data = r.data.name in ("synthetic", "text", "tokens") or r.data.target is not None
+    lines += _data_lines(r)
     if r.model.hf is not None:
-        lines += _hf_lines(r, token_data)
+        lines += _hf_lines(r, token_data, data_ok=not lines)
     elif r.model.target is None:
         if r.model.name == "gpt" and not token_data:
-            lines.append(f"model.name: 'gpt' cannot read data.name {r.data.name!r}; accepted data: synthetic, text")
-        if r.model.name in ("mlp", "cnn", "resnet") and token_data:
+            lines.append(f"model.name: 'gpt' cannot read data.name {r.data.name!r}; accepted data: synthetic, text, "
+                         f"tokens")
+        if r.model.name in ("mlp", "cnn", "resnet") and token_data and r.data.target is None:
             lines.append(f"model.name: {r.model.name!r} cannot read token data {r.data.name!r}; accepted data: digits")
         if r.model.name == "gpt" and r.model.width % r.model.heads:
             lines.append(f"model.heads: got {r.model.heads}; must divide model.width ({r.model.width})")
@@ -264,7 +282,7 @@ def _semantic_lines(r: Recipe) -> list[str]:
                      f"strategies: ddp, fsdp, zero1, zero2, zero3")
     if r.resilience.mode == "inplace" and r.strategy.name != "ddp":
         # groups hold whole nodes or tile one; the rest (tier 2 against the number of groups) needs the number of
-        # nodes, which the launch knows: check_parity_layout()
+        # nodes, which the launch knows: check_launch()
         k, n = r.resilience.parity_group or max(2, r.world.nproc), r.world.nproc
         if n % k and k % n:
             divisors = [d for d in range(2, n + 1) if n % d == 0]
@@ -279,7 +297,7 @@ def _semantic_lines(r: Recipe) -> list[str]:
     return lines
 
 
-def _hf_lines(r: Recipe, token_data: bool) -> list[str]:
+def _hf_lines(r: Recipe, token_data: bool, *, data_ok: bool = True) -> list[str]:
     """model.hf: the checks that need no model first; transformers' own only when nothing else is wrong."""
     hf, lines = r.model.hf, []
     if r.model.target:
@@ -290,12 +308,21 @@ def _hf_lines(r: Recipe, token_data: bool) -> list[str]:
         lines.append(f"model.hf.path: got {hf.path!r}; no config.json in it; accepted: a local folder holding "
                      "config.json, as save_pretrained writes it")
     if not token_data:
-        lines.append(f"model.hf: a causal LM reads tokens, not data.name {r.data.name!r}; accepted data: synthetic, text")
-    if lines or (r.data.name == "text" and not (r.data.path and Path(r.data.path).is_file())):
+        lines.append(f"model.hf: a causal LM reads tokens, not data.name {r.data.name!r}; accepted data: synthetic, "
+                     f"text, tokens")
+    if lines or not data_ok or (r.data.name == "text" and not (r.data.path and Path(r.data.path).is_file())):
         return lines
     from dtk.models.hf import recipe_problems  # imports transformers (and torch): only for an hf recipe
 
     return recipe_problems(r)
+
+
+def _data_lines(r: Recipe) -> list[str]:
+    if r.data.target is None and r.data.name != "tokens" and not r.eval.every:
+        return []  # nothing to check, and no torch to import for it
+    from dtk.data.checks import data_problems  # numpy, torch and maybe the user's module: only when asked
+
+    return data_problems(r)
 
 
 # layers in order of each built-in image model (dtk.models: layers_in_order); the cut must fall between two
@@ -327,10 +354,24 @@ def _split_learning_lines(r: Recipe) -> list[str]:
     return lines
 
 
-def check_parity_layout(r: "Recipe", *, nnodes: int) -> None:
-    """At launch, when the number of nodes is known: the parity groups and tier 2 fit the whole run (DtkError)."""
-    if r.resilience.mode == "inplace" and r.strategy.name != "ddp":
-        parity_layout(r.resilience, world=r.world.nproc * nnodes, nproc_per_node=r.world.nproc)
+def check_launch(r: "Recipe", *, nnodes: int) -> None:
+    """Before any rank starts, when the number of nodes is known: what a recipe alone cannot tell (DtkError, every
+    line at once): a user's model imports, in-place recovery has a survivor, the parity groups fit the whole run."""
+    from dtk.targets import target_problem
+
+    lines = [target_problem("model.target", r.model.target)] if r.model.target and r.model.hf is None else []
+    world = r.world.nproc * nnodes
+    if r.resilience.mode == "inplace" and world < 2:
+        lines.append(f"resilience.mode: got 'inplace' on a world of {world} rank (world.nproc={r.world.nproc}, "
+                     f"{nnodes} node); in-place recovery needs a surviving rank to keep the state; accepted: 2 ranks "
+                     f"or more (world.nproc, --nnodes), or resilience.mode=checkpoint with checkpoint.every")
+    elif r.resilience.mode == "inplace" and r.strategy.name != "ddp":
+        try:
+            parity_layout(r.resilience, world=world, nproc_per_node=r.world.nproc)
+        except DtkError as e:
+            lines += e.lines
+    if any(lines):
+        raise DtkError(*lines)
 
 
 def parity_layout(resilience, *, world: int, nproc_per_node: int) -> tuple[int, int]:

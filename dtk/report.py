@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from dtk.metrics import read_jsonl
+from dtk.metrics import read_jsonl, write_atomic
 
 console = Console(stderr=True)
 
@@ -37,6 +37,7 @@ class ProgressLine:
         self.total = total
         self._offset = 0
         self._last: dict | None = None
+        self._eval: dict | None = None
         self.progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("{task.description}"), TimeElapsedColumn(), console=console,
                                  disable=not enabled)
@@ -66,10 +67,14 @@ class ProgressLine:
                 continue
             if "loss" in record:  # event lines (failures) carry no loss
                 self._last = record
+            elif "eval_loss" in record:
+                self._eval = record
         r = self._last
         if r:
             desc = (f"loss {r['loss']:.4f} | {_rate(r)} | {r['step_seconds'] * 1000:.0f} ms/step | "
                     f"peak {human_bytes(max(r['peak_memory_bytes']))}")
+            if self._eval:
+                desc += f" | eval {self._eval['eval_loss']:.4f}"
             self.progress.update(self.task, completed=r["step"] + 1, description=desc)
 
 
@@ -89,7 +94,8 @@ def summarize(run_dir: Path, *, wall_seconds: float, failures: list[dict], exit_
     recipe = yaml.safe_load(recipe_text) or {}
     warmup = recipe.get("training", {}).get("warmup_steps", 0)
     world = recipe.get("world", {}).get("nproc", 1)
-    records = [r for r in read_jsonl(Path(run_dir) / "metrics.jsonl") if "loss" in r]
+    lines = read_jsonl(Path(run_dir) / "metrics.jsonl")
+    records = [r for r in lines if "loss" in r]
     timed = [r for r in records if r["step"] >= warmup] or records
     times = [r["step_seconds"] for r in timed]
     after_first = [r for r in records if r["step"] > (records[0]["step"] if records else 0)] or records
@@ -111,7 +117,7 @@ def summarize(run_dir: Path, *, wall_seconds: float, failures: list[dict], exit_
     states = next((r["model_state_bytes"] for r in reversed(records) if r.get("model_state_bytes")), None)
     rate_key = "tokens_per_second" if records and records[0].get("tokens_per_second") else "samples_per_second"
     return {
-        "status": {0: "completed", 130: "interrupted"}.get(exit_code, "failed"),
+        "status": {0: "completed", 130: "interrupted", 143: "interrupted"}.get(exit_code, "failed"),
         "exit_code": exit_code,
         "steps": len(records),
         "world_size": world,
@@ -138,6 +144,8 @@ def summarize(run_dir: Path, *, wall_seconds: float, failures: list[dict], exit_
         "fsdp_wrap_units": _last_event(run_dir, "fsdp_wrap_units", since=time.time() - wall_seconds - 1.0),
         "parity": _last_event(run_dir, "parity", since=time.time() - wall_seconds - 1.0),
         **learning_figures(records, target=recipe.get("training", {}).get("target_accuracy")),
+        **eval_figures(lines),
+        "epochs": _epochs(run_dir, steps=len(records), since=time.time() - wall_seconds - 1.0),
         **extra,
     }
 
@@ -158,6 +166,26 @@ def learning_figures(records: list[dict], *, target: float | None) -> dict:
     }
 
 
+def eval_figures(lines: list[dict]) -> dict:
+    """The evaluations (eval.every): the last one's figures, the best loss, and the curve."""
+    evals = [r for r in lines if "eval_loss" in r]
+    last = evals[-1] if evals else {}
+    return {
+        "eval_loss": last.get("eval_loss"),
+        "eval_perplexity": last.get("eval_perplexity"),
+        "eval_accuracy": last.get("eval_accuracy"),
+        "best_eval_loss": min((r["eval_loss"] for r in evals), default=None),
+        "evals": [{k: v for k, v in r.items() if k in ("step", "eval_loss", "eval_perplexity", "eval_accuracy")}
+                  for r in evals],
+    }
+
+
+def _epochs(run_dir: Path, *, steps: int, since: float) -> float | None:
+    """Passes over the training windows the run's steps made (data that counts them: tokens)."""
+    data = _last_event(run_dir, "data", since=since)
+    return steps * data["samples_per_step"] / data["windows"] if data and data.get("windows") else None
+
+
 def _last_event(run_dir: Path, name: str, *, since: float) -> dict | None:
     """The last event `name` rank 0 reported in this run (its fields; a reused run folder keeps older runs'
     events), or None: FSDP's wrap units, the parity keeper's figures."""
@@ -172,5 +200,5 @@ def _last_event(run_dir: Path, name: str, *, since: float) -> dict | None:
 def write_summary(run_dir: Path, *, wall_seconds: float, failures: list[dict], exit_code: int,
                   name: str = "summary.json", **extra) -> dict:
     summary = summarize(run_dir, wall_seconds=wall_seconds, failures=failures, exit_code=exit_code, **extra)
-    (Path(run_dir) / name).write_text(json.dumps(summary, indent=2))
+    write_atomic(Path(run_dir) / name, json.dumps(summary, indent=2))
     return summary

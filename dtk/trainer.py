@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from dtk.comm.dispatch import step_boundary as comm_boundary
 from dtk.comm.group import Seam
+from dtk.evaluation import Evaluator
 from dtk.metrics import MetricsWriter
 from dtk.resilience import checkpoint, inplace
 from dtk.resilience.control import Control
@@ -61,6 +62,11 @@ class Trainer:
         self.tokens_per_step = self.samples_per_step * spec.seq_len if spec.kind == "tokens" else 0
         self.writer = MetricsWriter(self.run_dir) if self.rank == 0 else None
         self._sums: list[int] | None = None
+        self.evaluator = Evaluator(every=self.recipe.eval.every, batches=self.recipe.eval.batches, steps=t.steps,
+                                   dataset=self.dataset, module=self.engine.module, device=self.device,
+                                   precision=t.precision, micro_batch=t.micro_batch, rank=self.rank, world=self.world,
+                                   gather=self._gather, writer=self.writer,
+                                   after_first_batch=lambda step: self.injector.at(step, "eval"))
         # a fault aimed at the backward phase fires when backward reaches the model's output
         self.engine.module.register_forward_hook(self._arm_backward_fault)
 
@@ -162,6 +168,31 @@ class Trainer:
         if record and record["step"] == step - 1 and not self.writer.has(record["step"]):
             self.writer.write(record)
 
+    def _recover(self, step: int) -> int:
+        """In place, after a failure: the step training resumes at."""
+        self.control.phase = "recovery"
+        step = inplace.recover_survivor(engine=self.engine, control=self.control, group=self.group,
+                                        committed_step=step, device=self.device,
+                                        on_repair=lambda step: self.injector.at(step, "recovery"),
+                                        parity=self.parity, last_record=self.last_record)
+        self.control.phase = "train"
+        self._sums = None  # a rollback changed the state on purpose: the checksum starts again
+        self.resume_records(step)  # a rollback to an older protected step redoes the steps after it
+        self.evaluator.forget()  # a replacement evaluates the boundary it joins at: so does every survivor
+        return step
+
+    def _save_and_stop(self, step: int) -> None:
+        """Preempted (SIGTERM to the launcher): every rank is at the same step boundary; save it, so that nothing
+        is lost, and leave without finishing (the launcher says where the run stands)."""
+        every = self.recipe.checkpoint.every
+        if step % every:  # a step that was just saved is not saved twice
+            self.control.phase = "checkpoint"
+            checkpoint.save(self.engine, step=step, run_dir=self.run_dir, keep=self.recipe.checkpoint.keep)
+        if self.parity is not None:
+            self.parity.settle()
+        log.warning("preempted: stopped after %d steps, saved in %s", step, checkpoint.checkpoint_dir(self.run_dir))
+        self.control.mark("preempted", {"step": step})
+
     # -- the loop --
     def run(self, *, start_step: int) -> None:
         r = self.recipe
@@ -170,7 +201,19 @@ class Trainer:
         Seam.stats.take()  # the engine's start-up traffic (DDP's broadcast, DeepSpeed's init) is not a step's
         if self.parity is not None and not self.parity.protected:  # (a rebuilt replacement's rows are protected)
             self.parity.protect(step)
-        while step < r.training.steps:
+        if self.writer and hasattr(self.dataset, "windows"):  # summary.json -> epochs (tokens)
+            self.writer.event({"event": "data", "windows": self.dataset.windows,
+                               "samples_per_step": self.samples_per_step})
+        while True:
+            if self.evaluator.due(step):
+                self.control.phase = "eval"
+                evaluated = self.evaluator.run(step)
+                self.control.phase = "train"
+                if not evaluated:  # a peer failed during it: recover, then evaluate this boundary again
+                    step = self._recover(step)
+                    continue
+            if step >= r.training.steps:
+                break
             record = self.train_step(step)
             if record is not None:
                 step += 1
@@ -179,14 +222,7 @@ class Trainer:
                 if self.writer:
                     self.writer.write(record)
             if record is None or Seam.failure is not None:  # a failure seen after a whole update: no more collectives
-                self.control.phase = "recovery"
-                step = inplace.recover_survivor(engine=self.engine, control=self.control, group=self.group,
-                                                committed_step=step, device=self.device,
-                                                on_repair=lambda step: self.injector.at(step, "recovery"),
-                                                parity=self.parity, last_record=self.last_record)
-                self.control.phase = "train"
-                self._sums = None  # a rollback changed the state on purpose: the checksum starts again
-                self.resume_records(step)  # a rollback to an older protected step redoes the steps after it
+                step = self._recover(step)
                 continue
             if self.parity is not None and self.parity.due(step):  # resilience.protect_every
                 self.parity.protect(step, step_seconds=record["step_seconds"])  # overlaps the next forward/backward
@@ -205,6 +241,9 @@ class Trainer:
                 if self.writer:
                     self.writer.event({"event": "regroup", "step": step, "generation": Seam.generation,
                                        "seconds": seconds})
+            if self.control.stop_at(step) == step and step < r.training.steps:
+                self._save_and_stop(step)
+                return
         if self.parity is not None:
             self.parity.settle()
             if self.writer:  # what keeping parity cost this run: summary.json -> parity

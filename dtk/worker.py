@@ -12,7 +12,9 @@ import datetime
 import logging
 import os
 import resource
+import signal
 import sys
+import threading
 import traceback
 from pathlib import Path
 
@@ -36,6 +38,29 @@ def _device(recipe, local_rank: int):
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def _watch_sigterm() -> None:
+    """The launcher starts a rank with SIGTERM blocked, so that only this thread takes it, knowing who sent it. From
+    the launcher (it stops the run): die of it at once, even while the main thread is blocked in a collective. From
+    anyone else (Slurm signals every process of a job step; a user's kill): pass it to the launcher, which stops
+    the whole run at one step boundary and saves it (checkpoint.every), instead of this rank dying alone."""
+    if signal.SIGTERM not in signal.pthread_sigmask(signal.SIG_BLOCK, []):
+        return  # not started by dtk's launcher (torchrun, srun as ranks): SIGTERM keeps its default
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while True:
+            sender = signal.sigwaitinfo({signal.SIGTERM}).si_pid
+            if sender == launcher or os.getppid() != launcher:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
+                os.kill(os.getpid(), signal.SIGTERM)  # delivered to this thread, the one that does not block it
+            logging.getLogger(__name__).warning("SIGTERM from pid %d: passed to the launcher (pid %d), which stops "
+                                                "the run at a step boundary", sender, launcher)
+            os.kill(launcher, signal.SIGTERM)
+
+    threading.Thread(target=watch, name="dtk-sigterm", daemon=True).start()
 
 
 def _become_rank(run_dir: str, rank: int) -> None:
@@ -74,6 +99,12 @@ its modules from 0 (dtk.strategies.zero)."""
         engine.discard_step()
     del engine, model
     gc.collect()
+    # DTensor caches sharding propagation keyed by the mesh, and a mesh compares equal to the rehearsal's whatever
+    # this process's coordinate in it: without this, the real engine's optimizer states (made by DTensor ops) kept
+    # the rehearsal rank's offsets, and the first checkpoint after the promotion failed DCP's global plan check
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
     logging.getLogger(__name__).info("rehearsed a %s engine for rank %d in %.2fs", recipe.strategy.name, rank,
                                      time.time() - t0)
 
@@ -86,6 +117,7 @@ def run_rank() -> None:
     join = os.environ.get("DTK_JOIN_GENERATION")
     attempt = int(os.environ.get("DTK_ATTEMPT", "0"))
     _setup_logging(f"shadow {shadow_id}" if shadow_id is not None else f"rank {rank}")
+    _watch_sigterm()
     recipe = recipes.load(Path(run_dir) / "recipe.yaml")
 
     import torch
@@ -119,7 +151,7 @@ def run_rank() -> None:
     timeline["group_at"] = time.time()
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
-    dataset = build_dataset(recipe.data, seed=recipe.training.seed)
+    dataset = build_dataset(recipe.data, seed=recipe.training.seed, world=world, grad_accum=recipe.training.grad_accum)
     model = build_model(recipe.model, dataset.spec, seed=recipe.training.seed)
     prebuilt = [model]  # built before a shadow knows its rank: the model is the same for every rank
 

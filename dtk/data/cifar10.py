@@ -57,3 +57,8 @@ class Cifar10:
         g = batch_generator(self.seed, step, rank, micro)
         idx = torch.randint(0, len(self.train_labels), (size,), generator=g)
         return self.train_images[idx], self.train_labels[idx]
+
+    def val_batch(self, *, index: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """test_batch.bin's images in file order."""
+        idx = torch.arange(index * size, (index + 1) * size) % len(self.test_labels)
+        return self.test_images[idx], self.test_labels[idx]

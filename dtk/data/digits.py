@@ -22,8 +22,14 @@ class Digits:
         test = torch.sort(order[:n_test]).values
         self.train_images, self.train_labels = self.images[train], self.labels[train]
         self.test_images, self.test_labels = self.images[test], self.labels[test]
+        if not n_test:
+            self.val_batch = None  # type: ignore[assignment]  (no held-out split: has_validation() is False)
 
     def batch(self, *, step: int, rank: int, micro: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = batch_generator(self.seed, step, rank, micro)
         idx = torch.randint(0, len(self.train_labels), (size,), generator=g)
         return self.train_images[idx], self.train_labels[idx]
+
+    def val_batch(self, *, index: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.arange(index * size, (index + 1) * size) % len(self.test_labels)
+        return self.test_images[idx], self.test_labels[idx]

@@ -1,7 +1,6 @@
 """Model registry: built-in models by name, a user's `package.module:function`, or a transformers model (model.hf)."""
 from __future__ import annotations
 
-import importlib
 from typing import Callable
 
 import torch
@@ -13,6 +12,7 @@ from dtk.models.cnn import build_cnn
 from dtk.models.gpt import build_gpt
 from dtk.models.mlp import build_mlp
 from dtk.models.wrap import WrapUnits, find_wrap_units
+from dtk.targets import import_target
 from dtk.models.resnet import build_resnet
 
 MODELS: dict[str, tuple[Callable, str]] = {
@@ -23,18 +23,6 @@ MODELS: dict[str, tuple[Callable, str]] = {
 }
 
 
-def _import_target(target: str) -> Callable:
-    module_name, _, fn_name = target.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise DtkError(f"model.target: got {target!r}; cannot import {module_name!r} ({e})") from None
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise DtkError(f"model.target: got {target!r}; {module_name!r} has no function {fn_name!r}")
-    return fn
-
-
 def build_model(cfg, spec: DataSpec, *, seed: int) -> nn.Module:
     """The same seed gives the same weights on every rank and under every strategy."""
     torch.manual_seed(seed)
@@ -43,7 +31,7 @@ def build_model(cfg, spec: DataSpec, *, seed: int) -> nn.Module:
 
         return build_hf(cfg.hf, spec)
     if cfg.target:
-        return _import_target(cfg.target)(spec, **cfg.kwargs)
+        return import_target("model.target", cfg.target)(spec, **cfg.kwargs)
     build, _ = MODELS[cfg.name]
     return build(cfg, spec)
 

@@ -138,6 +138,37 @@ def build_hf(hf, spec: DataSpec) -> nn.Module:
     return model.train()  # from_pretrained leaves it in eval mode, which would switch dropout off
 
 
+def _weights_conflict(hf, config) -> str:
+    """'' when the recipe's config keeps every parameter's shape of the weights in hf.path, else the line: fields that
+    change a shape (n_layer, n_embd, ...) make transformers refuse the weights on every rank (ignore_mismatched_sizes)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    saved = AutoConfig.from_pretrained(hf.path, local_files_only=True)
+
+    def shapes(c) -> dict:
+        with torch.device("meta"):
+            return {k: tuple(v.shape) for k, v in AutoModelForCausalLM.from_config(c).state_dict().items()}
+
+    want = shapes(saved)
+    if want == shapes(config):
+        return ""
+    import copy
+
+    def reshapes(k) -> bool:  # this field alone changes a shape (dropout does not, n_layer does)
+        one = copy.deepcopy(saved)
+        setattr(one, k, hf.config[k])
+        return shapes(one) != want
+
+    differ = [k for k, v in hf.config.items() if getattr(saved, k, None) != v and reshapes(k)]
+    if not differ:
+        return ""  # the shapes differ for a reason of the folder's own: transformers will say it
+    first, more = differ[0], [f"{k}={hf.config[k]!r} (saved: {getattr(saved, k, None)!r})" for k in differ[1:]]
+    return (f"model.hf.config.{first}: got {hf.config[first]!r}; the weights in model.hf.path {hf.path!r} were saved "
+            f"with {first}={getattr(saved, first, None)!r}" + (f", and {', '.join(more)}" if more else "") +
+            "; accepted: fields that keep the weights' shapes (dropout, ...), or model.hf.config={} (the folder's "
+            "config.json as saved)")
+
+
 def recipe_problems(r) -> list[str]:
     """What transformers would refuse in a recipe's model.hf, found before any rank starts: the model is built on
     the meta device (no memory, no weights read), and FSDP's wrap units are found in it."""
@@ -149,6 +180,8 @@ def recipe_problems(r) -> list[str]:
         config = make_config(r.model.hf, spec)
         from transformers import AutoModelForCausalLM
 
+        if _weights_in(r.model.hf.path) and r.model.hf.config and (line := _weights_conflict(r.model.hf, config)):
+            return [line]
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         if r.strategy.name == "fsdp" or r.strategy.wrap:

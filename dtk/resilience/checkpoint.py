@@ -1,6 +1,11 @@
-"""The checkpoint baseline's storage: torch.distributed.checkpoint (DCP) of every rank's engine state + the step."""
+"""The checkpoint baseline's storage: torch.distributed.checkpoint (DCP) of every rank's engine state + the step.
+
+A checkpoint is trusted only when whole: after DCP's save has returned on every rank, rank 0 writes manifest.json
+(every file the save's .metadata names, with the bytes it must hold), atomically; a folder without it, or with a
+file cut short since, is skipped on resume for the newest whole one."""
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import time
@@ -9,20 +14,75 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dtk.errors import DtkError
+from dtk.metrics import write_atomic
+
 log = logging.getLogger(__name__)
+MANIFEST = "manifest.json"
 
 
 def checkpoint_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+def _saved(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """Every checkpoint folder, newest first, whole or not."""
+    found = [(int(p.name[5:]), p) for p in checkpoint_dir(run_dir).glob("step_*") if p.name[5:].isdigit()]
+    return sorted(found, reverse=True)
+
+
+def damage(path: Path) -> str:
+    """'' when the checkpoint in `path` is whole by its manifest, else what is wrong with it (for a line)."""
+    try:
+        need = json.loads((path / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return f"it has no {MANIFEST} (its save did not finish)"
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"its {MANIFEST} is unreadable"
+    return _missing(path, need)
+
+
 def latest(run_dir: str | Path) -> tuple[int, Path] | None:
-    """The newest complete checkpoint (one with DCP's .metadata), as (step, path)."""
-    found = []
-    for p in checkpoint_dir(run_dir).glob("step_*"):
-        if (p / ".metadata").is_file() and p.name[5:].isdigit():
-            found.append((int(p.name[5:]), p))
-    return max(found) if found else None
+    """The newest whole checkpoint (see damage), as (step, path)."""
+    return next(((step, p) for step, p in _saved(run_dir) if not damage(p)), None)
+
+
+def resume_line(run_dir: str | Path) -> str:
+    """Before a run resumes in `run_dir`: '' when its newest checkpoint is whole (or there is none); else the line
+    that says which whole one it falls back to and why. DtkError when checkpoints are there and none is whole."""
+    skipped = []
+    for step, p in _saved(run_dir):
+        why = damage(p)
+        if not why:
+            if not skipped:
+                return ""
+            return (f"resuming from the checkpoint of step {step} ({p}): the newer one{'s' if len(skipped) > 1 else ''} "
+                    f"cannot be trusted: {'; '.join(skipped)}")
+        skipped.append(f"step_{step}: {why}")
+    if skipped:
+        raise DtkError(f"output.dir: got {str(run_dir)!r}; no checkpoint in it is whole ({'; '.join(skipped)}); "
+                       f"accepted: a run folder with a whole checkpoint, or checkpoint.resume=never to start afresh")
+    return ""
+
+
+DISK_FULL = "No space left on device"
+"""strerror(ENOSPC), as a rank's log or an OSError says it."""
+
+
+def disk_full_line(run_dir: str | Path) -> str:
+    """The one line for a run stopped by a full disk: which folder, and what is kept (the newest whole checkpoint)."""
+    found = latest(run_dir)
+    kept = (f"the checkpoint of step {found[0]} ({found[1]}) is whole: free some space, or move the folder to a "
+            f"larger disk, and run the same command with output.dir=<the folder> to resume from it" if found else
+            "no whole checkpoint was saved before: free some space, or set output.dir on a larger disk, and start "
+            "again")
+    return f"error: output.dir: the disk holding {run_dir} is full ({DISK_FULL}); the run is stopped; {kept}."
+
+
+def write_manifest(path: Path) -> None:
+    """After the save returned on every rank: what a whole checkpoint holds, from its .metadata (every rank's files,
+    even those on another host's disk); written last and atomically, so that its presence means a whole save."""
+    write_atomic(path / MANIFEST, json.dumps({"files": _needed(path)}))
 
 
 def save(engine, *, step: int, run_dir: str | Path, keep: int) -> float:
@@ -31,8 +91,9 @@ def save(engine, *, step: int, run_dir: str | Path, keep: int) -> float:
     t0 = time.perf_counter()
     path = checkpoint_dir(run_dir) / f"step_{step}"
     state = {"engine": engine.checkpoint_state(), "step": torch.tensor(step)}
-    dcp.save(state, checkpoint_id=str(path))
+    dcp.save(state, checkpoint_id=str(path))  # returns on every rank once .metadata is written
     if dist.get_rank() == 0:
+        write_manifest(path)
         old = sorted((int(p.name[5:]), p) for p in checkpoint_dir(run_dir).glob("step_*") if p.name[5:].isdigit())
         for _, p in old[:-keep]:
             shutil.rmtree(p, ignore_errors=True)
@@ -70,7 +131,8 @@ def _missing(path: Path, need: dict[str, int]) -> str:
     if not gone:
         return ""
     more = f" and {len(gone) - 3} more" if len(gone) > 3 else ""
-    return f"{path} lacks {', '.join(gone[:3])}{more} (absent or cut short)"
+    sizes = (f": {here[gone[0]]} of {need[gone[0]]} bytes" if len(gone) == 1 and gone[0] in here else "")
+    return f"{path} lacks {', '.join(gone[:3])}{more} (absent or cut short{sizes})"
 
 
 def check_shared(store, *, run_dir: str | Path, node_rank: int, nnodes: int, resume: str, timeout_s: float) -> None:
@@ -82,16 +144,14 @@ def check_shared(store, *, run_dir: str | Path, node_rank: int, nnodes: int, res
     if nnodes < 2 or resume != "auto":
         return
     import datetime
-    import json
     import socket
-
-    from dtk.errors import DtkError
 
     kv = dist.PrefixStore("checkpoint-shared", store)
     wait = datetime.timedelta(seconds=timeout_s)
     hint = "put output.dir on a file system every host can read (NFS, Lustre, ...)"
     if node_rank == 0:
-        found = latest(run_dir)
+        # the newest whole one; on disks not shared none is whole here: the newest DCP finished, to name what lacks
+        found = latest(run_dir) or next(((k, p) for k, p in _saved(run_dir) if (p / ".metadata").is_file()), None)
         need = _needed(found[1]) if found else {}
         kv.set("node0", json.dumps({"step": found[0] if found else None, "host": socket.gethostname(), "need": need}))
         if found is None:

@@ -24,6 +24,8 @@ POLL_SECONDS = 0.05
 BEAT_SECONDS = 0.25
 FENCED_EXIT = 76
 """Exit code of a rank whose node was taken for lost: another process holds its rank now."""
+PREEMPT_KEY = "preempt"
+"""Set by the launcher when it got SIGTERM and checkpoints are on: every rank stops at one step boundary and saves."""
 
 
 def connect(address: str, *, timeout_s: float = 300) -> dist.Store:
@@ -57,6 +59,9 @@ class Control:
         """The recovery plan this rank last joined by (dtk.resilience.inplace.rejoin)."""
         self.on_faults = None
         """Called from the watcher thread with newly announced fault specs (a list of dicts) for this rank."""
+        self.preempted = False
+        """The launcher asked the run to stop and save (it got SIGTERM); seen by the watcher thread."""
+        self._stop_at: int | None = None
         self._faults_seen = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="dtk-control", daemon=True)
@@ -79,6 +84,8 @@ class Control:
                          "step_s": self.step_seconds, "token": self.token}))
                     last_beat = time.monotonic()
                     self._poll_faults()
+                    if not self.preempted and self._watch_store.check([PREEMPT_KEY]):
+                        self.preempted = True
                     if self._watch_store.check([f"fenced/{self.token}"]):
                         self._exit_fenced(self._watch_store)
             except Exception:  # the launcher went away: the run is over, the main thread will find out
@@ -125,6 +132,16 @@ class Control:
 
     def generation_failed(self, generation: int) -> bool:
         return self.store.check([f"gen{generation}/failure"])
+
+    def stop_at(self, step: int) -> int | None:
+        """Once preempted: the number of committed steps at which every rank stops, agreed through the store. The
+        first rank to ask proposes its own count + 1: ranks run in lockstep (every step has collectives), so no rank
+        is more than one step ahead of another, and none has passed it."""
+        if not self.preempted:
+            return None
+        if self._stop_at is None:
+            self._stop_at = int(self.store.compare_set(f"{PREEMPT_KEY}/stop_at", "", str(step + 1)).decode())
+        return self._stop_at
 
     def finish(self, step: int) -> None:
         self.store.set(f"done/{self.rank}", str(step))

@@ -35,9 +35,10 @@ FAULTS: dict[str, str] = {
     "congest": "test bed only (--testbed H): from step S shape a host's link (host=I) or one path (pair=I-J) to "
                "rate=R: congest:pair=0-1,rate=200mbit,step=5",
 }
-PHASES = ("forward", "backward", "optimizer", "commit", "recovery")
+PHASES = ("forward", "backward", "optimizer", "commit", "recovery", "eval")
 """optimizer: before the rank's update; commit: after its update, before it counts the step; recovery: while the
-rank takes part in an in-place recovery, after the regroup and before the state is sent."""
+rank takes part in an in-place recovery, after the regroup and before the state is sent; eval: in the evaluation at
+the boundary of S steps done (eval.every), after its first batch."""
 CORRUPT_EXIT = 75
 """Exit code of a rank that found its local state corrupted."""
 CONGEST_WAIT_S = 120.0
@@ -107,6 +108,24 @@ def parse(spec: str, *, world: int, fault_id: str, flag: str = "--fault", hosts:
     if not 0 < seconds <= 3600:
         raise DtkError(f"{flag}: got seconds={seconds:g} in {spec!r}; accepted: 0 < seconds <= 3600")
     return Fault(kind=kind, rank=rank, step=step, phase=phase, factor=factor, seconds=seconds, id=fault_id)
+
+
+def check_reachable(parsed: list, *, steps: int, mode: str, flag: str = "--fault") -> None:
+    """A fault the run can never reach would not fire, and the chaos run would pass having tested nothing: refuse
+    one aimed at step `steps` or later, or at the recovery phase of a run that never recovers in place (DtkError,
+    one line per fault)."""
+    lines = []
+    for f in parsed:
+        if getattr(f, "step", None) is not None and f.step >= steps:
+            what = f.spec() if isinstance(f, Fault) else f.as_fault()
+            lines.append(f"{flag}: got step={f.step} in {what!r}; the run trains steps 0..{steps - 1} "
+                         f"(training.steps={steps}); accepted: step=0..{steps - 1}")
+        if isinstance(f, Fault) and f.phase == "recovery" and mode != "inplace":
+            lines.append(f"{flag}: got phase=recovery in {f.spec()!r}; only an in-place recovery has that phase, and "
+                         f"resilience.mode is {mode!r}; accepted: phase=forward, backward, optimizer or commit, or "
+                         f"resilience.mode=inplace")
+    if lines:
+        raise DtkError(*lines)
 
 
 def _host_rank(spec: str, fields: dict[str, str], *, world: int, nodes: int | None, flag: str) -> str:

@@ -45,14 +45,14 @@ class HangWatch:
     def reset(self) -> None:
         self.seen: dict[int, tuple[int, float]] = {}
         self.phases: dict[int, str] = {}
-        """Each rank's phase in its last beat read (train, checkpoint, recovery)."""
+        """Each rank's phase in its last beat read (train, eval, checkpoint, recovery)."""
         self.hung: dict[int, float] = {}
         self._next_poll = 0.0
 
     def timeout_s(self, phases: set[str] = frozenset()) -> float:
         if self.fixed_s is not None:
             return self.fixed_s
-        if len(self.step_times) < 3 or phases & {"checkpoint", "recovery"}:
+        if len(self.step_times) < 3 or phases & {"checkpoint", "recovery", "eval"}:
             return HANG_ALLOWANCE_S
         p95 = statistics.quantiles(self.step_times, n=20)[-1] if len(self.step_times) > 1 else self.step_times[0]
         return max(HANG_FLOOR_S, HANG_STEP_MULTIPLE * p95)

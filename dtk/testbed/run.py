@@ -236,6 +236,6 @@ def train_on_testbed(recipe: recipes.Recipe, *, recipe_path: str | None, hosts: 
     from dtk.launch import prepare_run_dir
 
     check_steps(faults, steps=recipe.training.steps)
-    recipes.check_parity_layout(recipe, nnodes=hosts)
+    recipes.check_launch(recipe, nnodes=hosts)
     run_dir = prepare_run_dir(recipe, recipe_path)  # node 0's launcher writes the same recipe.yaml again
     return TestbedRun(recipe, run_dir=run_dir, hosts=hosts, faults=faults, show_progress=show_progress).run(), run_dir

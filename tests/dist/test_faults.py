@@ -62,14 +62,20 @@ def test_fault_recovered_from_checkpoint_with_same_losses(tmp_path, references, 
 
 @pytest.mark.timeout(300)
 def test_corrupt_state_is_caught_by_checksum_and_not_trained_on(tmp_path, references):
-    # without recovery the run stops and says why; with the baseline it is repaired from the checkpoint
-    stopped = inject(tmp_path / "none", "--fault", "corrupt:rank=1,step=7")
+    # without recovery the run stops and says why (and that a later fault never fired: nothing tested it); with the
+    # baseline it is repaired from the checkpoint (and random faults a run never meets are said to have not fired)
+    stopped = inject(tmp_path / "none", "--fault", "corrupt:rank=1,step=7", "--fault", "kill:rank=0,step=12")
     assert stopped.returncode == 1
     assert "rank 1 failed (corrupt)" in stopped.stderr and "checksum mismatch" in stopped.stderr
     assert len(losses(tmp_path / "none")) == 7  # nothing was trained on the flipped bit
+    assert "not fired: kill:rank=0,step=12 (the run ended before it came due)" in stopped.stdout
+    assert "not fired: corrupt" not in stopped.stdout
 
-    repaired = inject(tmp_path / "ckpt", "resilience.mode=checkpoint", "--fault", "corrupt:rank=1,step=7")
+    repaired = inject(tmp_path / "ckpt", "resilience.mode=checkpoint", "--fault", "corrupt:rank=1,step=7",
+                      "--mtbf", "1000h")
     assert repaired.returncode == 0, repaired.stderr
+    assert "--mtbf 1000h: no random fault fired: every one came due outside training" in repaired.stdout
+    assert json.loads((tmp_path / "ckpt" / "summary.json").read_text())["faults_fired"] == ["f0"]
     [f] = json.loads((tmp_path / "ckpt" / "summary.json").read_text())["failures"]
     assert (f["fault"], f["detected_by"], f["steps_lost"]) == ("corrupt", "checksum", 2)
     assert losses(tmp_path / "ckpt") == references("ddp", 2)

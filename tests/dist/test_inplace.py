@@ -17,8 +17,9 @@ from conftest import ROOT, RECIPES, TINY, dtk_env, losses, read_jsonl, train
 
 pytestmark = [pytest.mark.dist]
 STEPS = 40
-# Slow enough per step that the kill lands mid-run on a loaded 2-core machine.
-MODEL = ["model.width=64", "model.layers=2", "world.nproc=3", f"training.steps={STEPS}"]
+# Slow enough per step that the kill lands mid-run on a loaded 2-core machine; with dropout, whose draws follow
+# (seed, step, rank): the replacement and the redone step draw what the run without the kill drew.
+MODEL = ["model.width=64", "model.layers=2", "world.nproc=3", f"training.steps={STEPS}", "model.dropout=0.1"]
 
 
 def _wait_for(predicate, timeout: float, what: str):

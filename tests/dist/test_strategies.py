@@ -8,7 +8,7 @@ import os
 import pytest
 import yaml
 
-from conftest import RECIPES, losses, read_jsonl, run_dtk, train
+from conftest import RECIPES, TINY, losses, read_jsonl, run_dtk, train
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -18,14 +18,15 @@ FULL = os.environ.get("DTK_CHAOS_FULL") == "1"
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """One fp32 run of STEPS steps per strategy, made on first use and shared by the tests of this module."""
+    """One fp32 run of STEPS steps per strategy (and overrides), made on first use and shared by this module's tests."""
     runs = {}
 
-    def get(strategy: str):
-        if strategy not in runs:
+    def get(strategy: str, *overrides: str):
+        if (strategy, *overrides) not in runs:
             run_dir = tmp_path_factory.mktemp(f"{strategy}-fp32") / "run"
-            runs[strategy] = train(run_dir, f"strategy.name={strategy}", f"training.steps={STEPS}")
-        return runs[strategy]
+            runs[strategy, *overrides] = train(run_dir, f"strategy.name={strategy}", f"training.steps={STEPS}",
+                                               *overrides)
+        return runs[strategy, *overrides]
 
     return get
 
@@ -43,20 +44,30 @@ def test_strategy_matches_ddp_and_loss_falls(uninterrupted, strategy):
     assert got == pytest.approx(want, rel=1e-5), f"{strategy} vs ddp"
 
 
-# The user's resume (a second `dtk train` in the same folder). Each strategy's checkpoint load is also what the
-# launcher's restarts of tests/dist/test_faults.py run (ddp, fsdp, zero2, zero3), so by default one strategy runs
-# here; DTK_CHAOS_FULL=1 adds fsdp and zero2.
+# The user's resume (a second `dtk train` in the same folder), with dropout: the RNG follows (seed, step, rank), so
+# a resumed run draws what the uninterrupted one drew. Each strategy's checkpoint load is also what the launcher's
+# restarts of tests/dist/test_faults.py run (ddp, fsdp, zero2, zero3), so by default one strategy runs here;
+# DTK_CHAOS_FULL=1 adds fsdp and zero2.
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2"] if FULL else ["ddp"])
 def test_resume_from_checkpoint_reproduces_the_uninterrupted_losses(uninterrupted, tmp_path, strategy):
-    want = losses(uninterrupted(strategy))
+    want = losses(uninterrupted(strategy, "model.dropout=0.1"))
+    assert want != losses(uninterrupted(strategy)) if strategy == "ddp" else True  # the dropout is real
     run_dir = tmp_path / "run"
-    # first attempt: stops after step 12; checkpoints after steps 5 and 10
-    train(run_dir, f"strategy.name={strategy}", "checkpoint.every=5", "training.steps=12")
-    assert (run_dir / "checkpoints" / "step_10").is_dir()
+    # first attempt: stops after step 12; checkpoints after steps 5 and 10, each with its manifest
+    train(run_dir, f"strategy.name={strategy}", "checkpoint.every=5", "training.steps=12", "model.dropout=0.1")
+    assert (run_dir / "checkpoints" / "step_10" / "manifest.json").is_file()
     assert len(losses(run_dir)) == 12
-    # second attempt in the same folder: resumes from step 10 (checkpoint.resume: auto), redoes 10 and 11
-    train(run_dir, f"strategy.name={strategy}", f"training.steps={STEPS}")
-    assert "at step 10" in (run_dir / "logs" / "rank0.log").read_text()
+    # the newest checkpoint is damaged since (a shard cut short): the resume falls back to step 5, and says so
+    shard = sorted((run_dir / "checkpoints" / "step_10").glob("*.distcp"))[-1]
+    os.truncate(shard, shard.stat().st_size - 100)
+    # second attempt in the same folder: resumes from step 5 (checkpoint.resume: auto), redoes 5..11
+    p = run_dtk("train", RECIPES / "quickstart.yaml", *TINY, f"output.dir={run_dir}", f"strategy.name={strategy}",
+                f"training.steps={STEPS}", "model.dropout=0.1", "--no-progress")
+    assert p.returncode == 0, p.stderr[-3000:]
+    [note] = [line for line in p.stderr.splitlines() if line.startswith("note: ")]
+    assert note.startswith(f"note: resuming from the checkpoint of step 5 ({run_dir / 'checkpoints' / 'step_5'}): "
+                           f"the newer one cannot be trusted: step_10: ") and f"lacks {shard.name}" in note
+    assert "at step 5" in (run_dir / "logs" / "rank0.log").read_text()
     records = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(STEPS))
     assert [r["loss"] for r in records] == want  # exactly: CPU/gloo is deterministic

@@ -55,6 +55,17 @@ CASES = [
      ["--fault", "'kill-host:host=0,step=3'", "more than one host"]),
     ("kill_host_out_of_range", QUICKSTART, ["--nnodes", "2", "--fault", "kill-host:host=2,step=3"],
      ["--fault", "host=2", "host=0..1"]),
+    ("fault_past_the_last_step", QUICKSTART, ["training.steps=5", "--fault", "kill:rank=1,step=5"],
+     ["--fault", "step=5", "step=0..4"]),
+    ("recovery_phase_without_inplace", QUICKSTART, ["resilience.mode=checkpoint", "checkpoint.every=2", "--fault",
+                                                    "kill:rank=1,step=3,phase=recovery"],
+     ["--fault", "phase=recovery", "'checkpoint'", "resilience.mode=inplace"]),
+    ("target_not_importable", QUICKSTART, ["model.target=nosuchpkg.mod:fn"],
+     ["model.target", "'nosuchpkg.mod:fn'", "cannot import 'nosuchpkg.mod'"]),
+    ("target_not_callable", QUICKSTART, ["model.target=os:sep"], ["model.target", "'os:sep'", "not a function"]),
+    ("testbed_of_no_host", QUICKSTART, ["--testbed", "0"], ["--testbed", "got 0", "2..64"]),
+    ("inplace_on_one_rank", QUICKSTART, ["world.nproc=1", "resilience.mode=inplace"],
+     ["resilience.mode", "'inplace'", "1 rank", "resilience.mode=checkpoint"]),
 ]
 
 
@@ -81,6 +92,28 @@ def test_train_refuses_bad_recipe_or_flag(tmp_path, recipe, args, mentions):
     lines = assert_user_error(p, mentions)
     assert len(lines) == 1, p.stderr
     assert not run_dir.exists(), "a refused run must not write its run folder"
+
+
+def test_chaos_and_test_bed_mistakes_of_the_other_commands(tmp_path):
+    """The same refusals where a new user meets them: inject-failure (a fault past the last step never fires),
+    validate (it says what train would refuse), probe and bench comm (a test bed of fewer than 2 hosts)."""
+    run_dir = tmp_path / "run"
+    p = run_dtk("inject-failure", QUICKSTART, "training.steps=5", f"output.dir={run_dir}", "--fault",
+                "kill:rank=1,step=50", "--no-progress", timeout=60)
+    assert len(assert_user_error(p, ["--fault", "step=50", "step=0..4"])) == 1 and not run_dir.exists()
+    p = run_dtk("validate", QUICKSTART, "model.target=nosuchpkg.mod:fn", timeout=60)
+    assert len(assert_user_error(p, ["model.target", "cannot import"])) == 1
+    for command in (["probe", "--testbed", "1"], ["bench", "comm", "--testbed", "0"]):
+        p = run_dtk(*command, timeout=60)
+        assert len(assert_user_error(p, ["--testbed", f"got {command[-1]}", "2..64"])) == 1
+
+
+def test_the_readmes_sample_error_is_what_dtk_prints():
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    command = "$ dtk train recipes/quickstart.yaml strategy.name=zero4 training.steps=-1\n"
+    sample = readme.split(command, 1)[1].split("```", 1)[0].strip()
+    p = run_dtk("train", QUICKSTART, "strategy.name=zero4", "training.steps=-1", timeout=60)
+    assert p.returncode == 2 and p.stderr.strip() == sample
 
 
 def test_train_reports_every_mistake_at_once(tmp_path):

@@ -30,7 +30,9 @@ def _explain(p) -> str:
 def test_compare_strategies_writes_every_file_with_sane_figures(tmp_path):
     out = tmp_path / "cmp"
     # the last variant trains with another learning rate: the only one that breaks parity
-    p = _compare(out, *TINY, "training.steps=6", "--strategies", "ddp,fsdp,zero3",
+    # on a user's data set (data.target, the same vocabulary and context as TINY's) with a held-out eval
+    p = _compare(out, *TINY, "training.steps=6", "data.target=tests.fixtures.data_target:counting", "eval.every=3",
+                 "eval.batches=1", "--strategies", "ddp,fsdp,zero3",
                  "--variant", "lr:optimizer.lr=0.01", "--assert-parity", "1e-5")
     assert p.returncode == 1, _explain(p)
     assert "parity broken: lr differs from ddp" in p.stdout
@@ -52,6 +54,10 @@ def test_compare_strategies_writes_every_file_with_sane_figures(tmp_path):
         assert v["throughput"] > 0 and 0 < v["step_time_p50"] <= v["step_time_p95"]
         assert v["peak_memory_bytes"] > 0
 
+    # every strategy evaluates the same model on the same held-out batches: the same eval loss; the table shows it
+    evals = [by_name[n]["eval_loss"] for n in ("ddp", "fsdp", "zero3")]
+    assert all(e == pytest.approx(evals[0], rel=1e-5) for e in evals) and by_name["lr"]["eval_loss"] != evals[0]
+    assert "eval loss" in (out / "compare.md").read_text()
     psi = by_name["ddp"]["params"]
     assert psi > 0 and all(v["params"] == psi for v in by_name.values())
     # model states per rank, fp32 AdamW on N=2: DDP 16Ψ, FSDP2 16Ψ/N, DeepSpeed ZeRO-3 20Ψ/N (its fp32 master

@@ -52,3 +52,23 @@ def test_train_refuses_a_bad_hf_model_with_one_line(tmp_path, args, mentions):
     lines = assert_user_error(p, mentions)
     assert len(lines) == 1, p.stderr
     assert not run_dir.exists(), "a refused run must not write its run folder"
+
+
+@pytest.mark.timeout(300)
+def test_the_readmes_folder_command_trains_and_a_config_that_misfits_the_weights_is_one_line(tmp_path):
+    """README's `model.hf.path=path/to/folder` line, on a folder save_pretrained wrote (GPT-2, 1 layer of 32): as
+    written it trains; without its `model.hf.config={}` the recipe's n_layer 2 / n_embd 64 would not fit the weights
+    (a rank's transformers traceback before): one line at validate, exit 2."""
+    transformers = pytest.importorskip("transformers")
+    folder = tmp_path / "folder"
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=128, n_positions=64, bos_token_id=0,
+                                     eos_token_id=0)
+    transformers.GPT2LMHeadModel(config).save_pretrained(folder)
+    readme = (ROOT / "README.md").read_text()
+    [line] = [x for x in readme.splitlines() if x.startswith("dtk train recipes/hf-gpt2.yaml") and "path/to/folder" in x]
+    args = line.split("#")[0].replace("path/to/folder", str(folder)).split()[2:]
+    p = run_dtk("train", *args, "training.steps=2", "world.nproc=1", f"output.dir={tmp_path / 'run'}", "--no-progress")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert len(losses(tmp_path / "run")) == 2
+    p = run_dtk("validate", *[a for a in args if a != "model.hf.config={}"], timeout=120)
+    assert assert_user_error(p, ["model.hf.config.n_layer", "got 2", "saved with n_layer=1", "n_embd=64 (saved: 32)"])

@@ -13,13 +13,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from dtk.errors import DtkError
-from dtk.resilience.checkpoint import check_shared, checkpoint_dir, latest
+from dtk.resilience.checkpoint import check_shared, checkpoint_dir, latest, resume_line, write_manifest
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 
 def save(run_dir, step: int) -> None:
-    dcp.save({"w": torch.arange(1000.0), "step": torch.tensor(step)}, checkpoint_id=str(checkpoint_dir(run_dir) / f"step_{step}"), no_dist=True)
+    path = checkpoint_dir(run_dir) / f"step_{step}"
+    dcp.save({"w": torch.arange(1000.0), "step": torch.tensor(step)}, checkpoint_id=str(path), no_dist=True)
+    write_manifest(path)  # as rank 0 does once every rank's save returned
 
 
 def both_nodes(dir0, dir1, *, resume: str = "auto") -> dict[int, str | None]:
@@ -67,9 +69,9 @@ def test_a_half_copied_checkpoint_is_incomplete(tmp_path):
     save(tmp_path / "node0", 4)
     shutil.copytree(tmp_path / "node0", tmp_path / "node1")
     (checkpoint_dir(tmp_path / "node1") / "step_4" / "__0_0.distcp").write_bytes(b"cut short")
-    assert latest(tmp_path / "node1")[0] == 4  # the newest checkpoint by its .metadata alone: looks fine
+    assert latest(tmp_path / "node1") is None  # its manifest names the shard's size: not whole
     errors = both_nodes(tmp_path / "node0", tmp_path / "node1")
-    assert "step_4 lacks __0_0.distcp (absent or cut short)" in errors[1] and errors[0] is not None
+    assert "step_4 lacks __0_0.distcp (absent or cut short: 9 of " in errors[1] and errors[0] is not None
 
 
 @pytest.mark.timeout(60)
@@ -83,3 +85,22 @@ def test_a_shared_folder_passes_and_a_stale_one_on_another_host_is_caught(tmp_pa
     assert "node 0 starts afresh, but on this host (node 1" in errors[1]
     assert "it holds a checkpoint of step 2 that node 0 does not see" in errors[1]
     assert both_nodes(tmp_path / "fresh", tmp_path / "stale", resume="never") == {0: None, 1: None}
+
+
+def test_a_damaged_checkpoint_is_skipped_for_the_newest_whole_one(tmp_path):
+    save(tmp_path, 3)
+    save(tmp_path, 6)
+    assert latest(tmp_path)[0] == 6 and resume_line(tmp_path) == ""
+    shard = checkpoint_dir(tmp_path) / "step_6" / "__0_0.distcp"
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size // 2)
+    assert latest(tmp_path)[0] == 3
+    line = resume_line(tmp_path)
+    assert line.startswith(f"resuming from the checkpoint of step 3 ({checkpoint_dir(tmp_path) / 'step_3'}): ")
+    assert f"step_6: {shard.parent} lacks __0_0.distcp (absent or cut short: {size // 2} of {size} bytes)" in line
+    (checkpoint_dir(tmp_path) / "step_3" / "manifest.json").unlink()  # as when its save never finished
+    with pytest.raises(DtkError) as e:
+        resume_line(tmp_path)
+    assert len(e.value.lines) == 1 and "no checkpoint in it is whole" in e.value.lines[0]
+    assert "step_3: it has no manifest.json (its save did not finish)" in e.value.lines[0]

@@ -87,3 +87,20 @@ def test_a_good_hf_recipe_passes_the_check():
                            "model.hf.config.num_attention_heads=4", "strategy.name=fsdp",
                            "strategy.wrap=[LlamaDecoderLayer]"])
     assert r.model.hf.model_type == "llama" and r.strategy.wrap == ["LlamaDecoderLayer"]
+
+
+def test_config_fields_that_do_not_fit_a_folders_weights_are_one_line(tmp_path):
+    """README's `model.hf.path=...` over recipes/hf-gpt2.yaml: its n_layer/n_embd would not fit the folder's weights
+    (a rank's ignore_mismatched_sizes traceback before); dropout fits; model.hf.config={} takes the folder as saved."""
+    build_hf(hf(model_type="gpt2", config={"n_layer": 1, "n_embd": 32, "n_head": 2}), SPEC).save_pretrained(tmp_path)
+    folder = ["model.hf.model_type=null", f"model.hf.path={tmp_path}", "data.vocab_size=40", "data.seq_len=24"]
+    shipped = recipes.read_file(recipes.Path(__file__).parents[2] / "recipes" / "hf-gpt2.yaml")
+    shipped.pop("data")  # its text file is read relative to the repository root: the synthetic data here
+    with pytest.raises(DtkError) as info:
+        recipes.build(shipped, folder)
+    assert info.value.lines == [f"model.hf.config.n_layer: got 2; the weights in model.hf.path {str(tmp_path)!r} were "
+                                f"saved with n_layer=1, and n_embd=64 (saved: 32); accepted: fields that keep the "
+                                f"weights' shapes (dropout, ...), or model.hf.config={{}} (the folder's config.json "
+                                f"as saved)"]
+    assert recipes.build(shipped, [*folder, "model.hf.config={attn_pdrop: 0.0}"]).model.hf.config == {"attn_pdrop": 0.0}
+    assert recipes.build(shipped, [*folder, "model.hf.config={}"]).model.hf.config == {}
