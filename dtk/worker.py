@@ -78,8 +78,8 @@ def _rehearse(recipe, ctx, group, *, model, rank: int, warm) -> None:
     """A sharded engine depends on its rank, so a shadow cannot build the one it will run before it is promoted.
     It builds one for a rank it may take, on its local group, and throws it away: the first build of a process
     pays for lazy imports, DeepSpeed's config and op set-up and the allocator's first pages (2.3 s for a tiny
-    ZeRO model here); a second one, for the real rank at promotion, takes milliseconds. ZeRO-3 too: each build numbers
-its modules from 0 (dtk.strategies.zero)."""
+    ZeRO model here); a second one, for the real rank at promotion, takes milliseconds. ZeRO-3 too: each build
+    numbers its modules from 0 (dtk.strategies.zero)."""
     import copy
     import gc
 
