@@ -3,12 +3,13 @@ downtime (fault to the completion, after recovery, of the step it interrupted) a
 fault kind; and what keeping a shadow costs a run without failures (steps/s with resilience.shadows=1 / 0).
 
     python benchmarks/inplace.py [--reps 2] [--models small,big] [--faults kill,hang] [--steady-steps 60]
-        [--strategies ddp,fsdp,zero1,zero2,zero3] [--parity-steps 40]
+        [--strategies ddp,fsdp,zero1,zero2,zero3] [--parity-steps 40] [--protect-every 1,auto]
 
 small = the recovery benchmark's 3.2M-parameter GPT (checkpoint every 10, fault at step 25); big = a ~50M-parameter
 GPT (8 layers x 704; checkpoint every 5, fault at step 12). 2 ranks, gloo, each strategy given (sharded ones rebuild
 the lost rank from parity). Repetitions alternate the order. --parity-steps: what keeping parity current costs a
-sharded run without failures (steps/s with resilience.mode=inplace and no shadow / resilience.mode=none).
+sharded run without failures (steps/s with resilience.mode=inplace and no shadow / resilience.mode=none), for each
+--protect-every (resilience.protect_every; the failure runs use the first).
 """
 from __future__ import annotations
 
@@ -32,12 +33,13 @@ MODELS = {
 }
 
 
-def run_failure(model: str, fault: str, mode: str, workdir: Path, strategy: str = "ddp") -> dict:
+def run_failure(model: str, fault: str, mode: str, workdir: Path, strategy: str = "ddp", every: str = "1") -> dict:
     m = MODELS[model]
     run_dir = workdir / f"{model}-{fault}-{mode}-{strategy}-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "dtk.cli", "inject-failure", str(ROOT / "recipes" / "quickstart.yaml"),
            *dtk_overrides(), *m["overrides"], f"strategy.name={strategy}", f"training.steps={m['at'] + 1}", f"resilience.mode={mode}",
-           f"checkpoint.every={m['every']}", f"output.dir={run_dir}", "--fault", f"{fault}:rank=1,step={m['at']}",
+           f"checkpoint.every={m['every']}", f"resilience.protect_every={every}", f"output.dir={run_dir}",
+           "--fault", f"{fault}:rank=1,step={m['at']}",
            "--no-progress"]
     _run(cmd, what=f"dtk {model} {fault} {mode}")
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -61,12 +63,13 @@ def run_steady(shadows: int, steps: int, workdir: Path) -> float:
     return json.loads((run_dir / "summary.json").read_text())["throughput"]
 
 
-def run_parity(strategy: str, mode: str, steps: int, workdir: Path) -> dict:
-    run_dir = workdir / f"parity-{strategy}-{mode}-{time.monotonic_ns()}"
+def run_parity(strategy: str, mode: str, steps: int, workdir: Path, every: str = "1") -> dict:
+    run_dir = workdir / f"parity-{strategy}-{mode}-{every}-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "dtk.cli", "train", str(ROOT / "recipes" / "quickstart.yaml"), *dtk_overrides(),
            f"strategy.name={strategy}", f"training.steps={steps}", "training.warmup_steps=5",
-           f"resilience.mode={mode}", "resilience.shadows=0", f"output.dir={run_dir}", "--no-progress"]
-    _run(cmd, what=f"dtk parity {strategy} {mode}")
+           f"resilience.mode={mode}", f"resilience.protect_every={every}", "resilience.shadows=0",
+           f"output.dir={run_dir}", "--no-progress"]
+    _run(cmd, what=f"dtk parity {strategy} {mode} every {every}")
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"tokens_per_s": summary["throughput"], "parity": summary.get("parity")}
 
@@ -88,6 +91,7 @@ def main() -> None:
     p.add_argument("--steady-steps", type=int, default=60, help="0: leave out the steady-state cost")
     p.add_argument("--strategies", default="ddp")
     p.add_argument("--parity-steps", type=int, default=0, help="steps of the parity cost runs (0: leave them out)")
+    p.add_argument("--protect-every", default="1", help="resilience.protect_every values for the parity cost runs")
     p.add_argument("--out", default=str(RESULTS / "inplace.json"))
     args = p.parse_args()
     t0 = time.time()
@@ -101,7 +105,8 @@ def main() -> None:
                     runs: dict[str, list] = {"checkpoint": [], "inplace": []}
                     for rep in range(args.reps):
                         for mode in (("checkpoint", "inplace") if rep % 2 == 0 else ("inplace", "checkpoint")):
-                            runs[mode].append(run_failure(model, fault, mode, workdir, strategy))
+                            runs[mode].append(run_failure(model, fault, mode, workdir, strategy,
+                                                          args.protect_every.split(",")[0]))
                             print(f"  {strategy} {model} {fault} {mode} rep {rep + 1}: downtime "
                                   f"{runs[mode][-1]['downtime_s']:.2f}s ({time.time() - t0:.0f}s in)", flush=True)
                     med = {k: statistics.median(r["downtime_s"] for r in v) for k, v in runs.items()}
@@ -109,15 +114,18 @@ def main() -> None:
                         "runs": runs, "downtime_median_s": med,
                         "ratio_checkpoint_over_inplace": med["checkpoint"] / med["inplace"]}
         parity_cost: dict[str, dict] = {}
+        everies = args.protect_every.split(",")
         for strategy in (s for s in args.strategies.split(",") if s != "ddp" and args.parity_steps):
-            runs = {"inplace": [], "none": []}
+            modes = ["none", *(f"inplace:{e}" for e in everies)]
+            runs = {m: [] for m in modes}
             for rep in range(args.reps):
-                for mode in (("inplace", "none") if rep % 2 == 0 else ("none", "inplace")):
-                    runs[mode].append(run_parity(strategy, mode, args.parity_steps, workdir))
+                for mode in (modes if rep % 2 == 0 else modes[::-1]):
+                    name, _, every = mode.partition(":")
+                    runs[mode].append(run_parity(strategy, name, args.parity_steps, workdir, every or "1"))
             tps = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in runs.items()}
-            parity_cost[strategy] = {"runs": runs, "ratio": tps["inplace"] / tps["none"],
-                                     "parity": runs["inplace"][-1]["parity"]}
-            print(f"  parity {strategy}: steps/s with parity / without {parity_cost[strategy]['ratio']:.3f}", flush=True)
+            parity_cost[strategy] = {"runs": runs, "ratio": {e: tps[f"inplace:{e}"] / tps["none"] for e in everies},
+                                     "parity": {e: runs[f"inplace:{e}"][-1]["parity"] for e in everies}}
+            print(f"  parity {strategy}: steps/s with parity / without {parity_cost[strategy]['ratio']}", flush=True)
         for rep in range(args.reps if args.steady_steps else 0):
             for shadows in ((1, 0) if rep % 2 == 0 else (0, 1)):
                 steady[shadows].append(run_steady(shadows, args.steady_steps, workdir))
@@ -130,8 +138,12 @@ def main() -> None:
     report = {"benchmark": "inplace", "command": " ".join(["python", *sys.argv]), "cases": cases,
               "parity_cost": parity_cost, "wall_seconds": time.time() - t0}
     for strategy, c in parity_cost.items():
-        ex = (c["parity"] or {}).get("exchange", {})
-        print(f"parity {strategy}: steps/s ratio {c['ratio']:.3f}; exchange {ex}")
+        for every, ratio in c["ratio"].items():
+            par = c["parity"][every] or {}
+            ex = par.get("exchange", {})
+            print(f"parity {strategy} every {every}: steps/s ratio {ratio:.3f}; interval {par.get('protect_interval')} "
+                  f"({par.get('why')}); memory {par.get('protection_memory_bytes')} B held for "
+                  f"{par.get('local_state_bytes')} B of local state; totals {ex.get('totals')}")
     if steady[1] and steady[0]:
         report["steady"] = {"tokens_per_s_shadows_1": steady[1], "tokens_per_s_shadows_0": steady[0],
                             "ratio": statistics.median(steady[1]) / statistics.median(steady[0])}

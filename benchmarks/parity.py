@@ -101,7 +101,7 @@ def _exchange_rank(rank, nproc, port, queue, state_mb, group_size, tier2, reps, 
         keeper.protect(step)
         assert keeper.wait_current()
         seconds = time.perf_counter() - t0
-        if step:  # the first one also agrees the layout and allocates the slots
+        if step:  # the first one also agrees the layout and allocates the staging buffer
             rows["protect"].append({"seconds": seconds, **{k: v for k, v in vars(keeper.stats).items()
                                                             if k != "totals"}})
         dist.barrier()
@@ -122,7 +122,8 @@ def _exchange_rank(rank, nproc, port, queue, state_mb, group_size, tier2, reps, 
         assert all(torch.equal(a, b) for a, b in zip(state, expected))
         rows["rebuild"].append(vars(report))
     out = {"rank": rank, "state_bytes": keeper.state_bytes, "parity_bytes_per_rank": keeper.parity_bytes_per_rank,
-           "memory_bytes": keeper.memory_bytes, "ec_type": keeper.codec.ec_type if keeper.codec else None, **rows}
+           "memory_bytes": keeper.memory_bytes,
+           "peak_memory_bytes": keeper.peak_memory_bytes, "ec_type": keeper.codec.ec_type if keeper.codec else None, **rows}
     gathered = [None] * nproc
     dist.all_gather_object(gathered, out)
     if rank == 0:
@@ -144,14 +145,14 @@ def exchange_rows(*, nproc: int, group_size: int, tier2: int, state_mb: float, r
     dcp_s = slowest("dcp_save")
     out = {"nproc": nproc, "parity_group": group_size, "parity_tier2": tier2, "ec_type": ranks[0]["ec_type"],
            "state_bytes": ranks[0]["state_bytes"], "parity_bytes_per_rank": ranks[0]["parity_bytes_per_rank"],
-           "memory_bytes_per_rank": ranks[0]["memory_bytes"],
+           "memory_bytes_per_rank": ranks[0]["memory_bytes"], "peak_memory_bytes_per_rank": ranks[0]["peak_memory_bytes"],
            "protect_s": protect, "protect_median_s": statistics.median(protect),
            "dcp_save_s": dcp_s, "dcp_save_median_s": statistics.median(dcp_s),
            "protect_over_dcp": statistics.median(protect) / statistics.median(dcp_s),
            "rebuild_s": slowest("rebuild"), "rebuild_median_s": statistics.median(slowest("rebuild")),
            "rebuild_tier": ranks[0]["rebuild"][0]["tier"], "rebuild_bytes": ranks[0]["rebuild"][0]["bytes_decoded"],
            "phases_median_s": {p: statistics.median(slowest("protect", p))
-                               for p in ("fill_s", "tier1_s", "tier2_s", "encode_s", "vote_s")},
+                               for p in ("fill_s", "tier1_s", "tier2_s", "encode_s", "vote_s", "commit_s", "cpu_s")},
            "wire_bytes_per_rank": ranks[0]["protect"][0]["bytes"]}
     return out
 
@@ -185,9 +186,11 @@ def main() -> None:
         ph = e["phases_median_s"]
         print(f"{nproc} ranks, groups of {k}, tier2 m={m}: state {e['state_bytes'] / 1e6:.1f} MB/rank, "
               f"parity {e['parity_bytes_per_rank'] / 1e6:.1f} MB/rank, keeper memory "
-              f"{e['memory_bytes_per_rank'] / 1e6:.1f} MB/rank")
+              f"{e['memory_bytes_per_rank'] / 1e6:.1f} MB/rank held ({e['memory_bytes_per_rank'] / e['state_bytes']:.2f}x "
+              f"the state), {e['peak_memory_bytes_per_rank'] / 1e6:.1f} MB during an exchange")
         print(f"  protect median {e['protect_median_s']:.3f} s (fill {ph['fill_s']:.3f}, tier1 {ph['tier1_s']:.3f}, "
-              f"tier2 {ph['tier2_s']:.3f} of which encode {ph['encode_s']:.3f}, vote {ph['vote_s']:.3f}); "
+              f"tier2 {ph['tier2_s']:.3f} of which encode {ph['encode_s']:.3f}, vote {ph['vote_s']:.3f}, "
+              f"commit {ph['commit_s']:.3f}; thread CPU {ph['cpu_s']:.3f}); "
               f"DCP save of the same state {e['dcp_save_median_s']:.3f} s; protect/DCP {e['protect_over_dcp']:.2f}")
         print(f"  rebuild (tier {e['rebuild_tier']}, {e['rebuild_bytes'] / 1e6:.1f} MB decoded) median "
               f"{e['rebuild_median_s']:.3f} s; all: {[round(s, 3) for s in e['rebuild_s']]}")

@@ -244,6 +244,10 @@ def compare(
     testbed: Annotated[Optional[int], typer.Option(max=64, help="Run each variant on an emulated network of H "
                                                                 "hosts, 2..64 (root; world.nproc ranks per host); "
                                                                 "--fault congest:...")] = None,
+    mtbf: Annotated[Optional[str], typer.Option(help="Also inject faults at random, this mean time apart (e.g. 30s): "
+                                                     "the same schedule (seconds after start, rank) for every variant.")] = None,
+    mtbf_fault: Annotated[str, typer.Option(help="The kind of the random faults.")] = "kill",
+    seed: Annotated[int, typer.Option(help="Seed of the random faults (which rank, when).")] = 0,
 ) -> None:
     """Run a recipe under several strategies or overrides, one after another; table + compare.json/.md/.png."""
     import shlex
@@ -263,10 +267,21 @@ def compare(
                          hosts=testbed or None) for i, spec in enumerate(fault or [])]
     for v in variants:  # steps are shared by every variant, resilience.mode need not be
         fl.check_reachable(injected, steps=v.recipe.training.steps, mode=v.recipe.resilience.mode)
+    one_rank = [k for k in fl.FAULTS if k not in ("congest", "kill-host")]
+    if mtbf and testbed:
+        raise DtkError(f"--mtbf: got {mtbf!r} with --testbed {testbed}; accepted: --mtbf on local ranks only")
+    if mtbf_fault not in one_rank:
+        raise DtkError(f"--mtbf-fault: got {mtbf_fault!r}; accepted: {', '.join(one_rank)}")
+    schedule = fl.random_schedule(mtbf_s=fl.parse_duration(mtbf, "--mtbf"), seed=seed,
+                                  world=min(v.recipe.world.nproc for v in variants)) if mtbf else []
+    if mtbf_fault == "corrupt" and schedule:
+        for v in variants:
+            v.recipe.resilience.checksum_every = v.recipe.resilience.checksum_every or 1
     folder = cmp.prepare_out_dir(out_dir, recipe)
     command = "dtk " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     result = cmp.run(recipe_path=recipe, variants=variants, out_dir=folder, command=command, console=out,
-                     parity_tolerance=assert_parity, show_progress=progress, inject=injected, testbed=testbed)
+                     parity_tolerance=assert_parity, show_progress=progress, inject=injected, testbed=testbed,
+                     fault_schedule=schedule, schedule_kind=mtbf_fault)
     cmp.write(result)
     out.print(cmp.table(result))
     out.print(cmp.verdict_line(result), highlight=False)

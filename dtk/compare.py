@@ -267,13 +267,17 @@ def _record(v: Variant, *, code: int, run_dir: Path, params: int, world: int) ->
 
 def run(*, recipe_path: str, variants: list[Variant], out_dir: Path, command: str, console: Console,
         parity_tolerance: float | None = None, show_progress: bool = True, inject: list | None = None,
-        testbed: int = 0) -> Comparison:
+        testbed: int = 0, fault_schedule: list | None = None, schedule_kind: str = "kill") -> Comparison:
     """Run the variants one after another (they must not share the CPU), each in its own run folder; with `testbed`
-    each on its own emulated network of that many hosts (world.nproc ranks per host)."""
+    each on its own emulated network of that many hosts (world.nproc ranks per host). `fault_schedule` ((seconds
+    after start, rank), --mtbf): the same random faults of `schedule_kind` for every variant."""
     from dtk.launch import launch
 
     comparison = Comparison(out_dir=out_dir, command=command, parity_tolerance=parity_tolerance,
-                            faults=[f.as_fault() if f.kind == "congest" else f.spec() for f in inject or []])
+                            faults=[f.as_fault() if f.kind == "congest" else f.spec() for f in inject or []]
+                            + ([f"random {schedule_kind} faults, the first at "
+                                + ", ".join(f"{t:.1f}s (rank {r})" for t, r in fault_schedule[:3]) + ", ..."]
+                               if fault_schedule else []))
     counts: dict[str, int] = {}
     for i, v in enumerate(variants, 1):
         key = json.dumps([v.recipe.model.model_dump(mode="json"), v.recipe.data.model_dump(mode="json")])
@@ -291,7 +295,8 @@ def run(*, recipe_path: str, variants: list[Variant], out_dir: Path, command: st
                                              faults=list(inject or []), show_progress=show_progress)
         else:
             code, run_dir = launch(v.recipe, recipe_path=recipe_path, show_progress=show_progress,
-                                   inject=list(inject or []))
+                                   inject=list(inject or []), fault_schedule=list(fault_schedule or []),
+                                   schedule_kind=schedule_kind)
         record = _record(v, code=code, run_dir=run_dir, params=counts[key],
                          world=v.recipe.world.nproc * max(testbed, 1))
         if code != 0:

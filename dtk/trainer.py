@@ -203,7 +203,7 @@ class Trainer:
         step = start_step
         self.last_record: dict | None = None
         Seam.stats.take()  # the engine's start-up traffic (DDP's broadcast, DeepSpeed's init) is not a step's
-        if self.parity is not None and not self.parity.slots:  # (a rebuilt replacement's recovery protected it)
+        if self.parity is not None and not self.parity.protected:  # (a rebuilt replacement's rows are protected)
             self.parity.protect(step)
         if self.writer and hasattr(self.dataset, "windows"):  # summary.json -> epochs (tokens)
             self.writer.event({"event": "data", "windows": self.dataset.windows,
@@ -228,8 +228,8 @@ class Trainer:
             if record is None or Seam.failure is not None:  # a failure seen after a whole update: no more collectives
                 step = self._recover(step)
                 continue
-            if self.parity is not None:
-                self.parity.protect(step)  # built while the next step's forward and backward run
+            if self.parity is not None and self.parity.due(step):  # resilience.protect_every
+                self.parity.protect(step, step_seconds=record["step_seconds"])  # overlaps the next forward/backward
             for event in comm_boundary(step):  # comm.mode adaptive: the planner may change the plan here
                 if self.writer:
                     self.writer.event(event)

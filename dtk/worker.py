@@ -78,7 +78,8 @@ def _rehearse(recipe, ctx, group, *, model, rank: int, warm) -> None:
     """A sharded engine depends on its rank, so a shadow cannot build the one it will run before it is promoted.
     It builds one for a rank it may take, on its local group, and throws it away: the first build of a process
     pays for lazy imports, DeepSpeed's config and op set-up and the allocator's first pages (2.3 s for a tiny
-    ZeRO model here); a second one, for the real rank at promotion, takes milliseconds."""
+    ZeRO model here); a second one, for the real rank at promotion, takes milliseconds. ZeRO-3 too: each build
+    numbers its modules from 0 (dtk.strategies.zero)."""
     import copy
     import gc
 
@@ -92,8 +93,18 @@ def _rehearse(recipe, ctx, group, *, model, rank: int, warm) -> None:
         engine = build_engine(recipe.strategy.name, BuildContext(model_factory=lambda: model, recipe=recipe,
                                                                  group=group, device=ctx.device))
         engine.match_running_layout(*warm)
+        # and runs a forward and backward (on the local group its collectives complete at once): the process's
+        # first pass pays for autograd's and the kernels' lazy set-up, which the promoted engine's first step would
+        engine.forward_backward(*warm, last_micro=True)
+        engine.discard_step()
     del engine, model
     gc.collect()
+    # DTensor caches sharding propagation keyed by the mesh, and a mesh compares equal to the rehearsal's whatever
+    # this process's coordinate in it: without this, the real engine's optimizer states (made by DTensor ops) kept
+    # the rehearsal rank's offsets, and the first checkpoint after the promotion failed DCP's global plan check
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
     logging.getLogger(__name__).info("rehearsed a %s engine for rank %d in %.2fs", recipe.strategy.name, rank,
                                      time.time() - t0)
 
@@ -182,8 +193,10 @@ def run_rank() -> None:
         # sharded state is rebuilt from erasure parity; every rank (a replacement too) makes the same groups
         from dtk.resilience.parity import build_keeper
 
-        parity = build_keeper(state=engine.local_state, resilience=recipe.resilience,
-                              nproc_per_node=recipe.world.nproc)
+        # only what no peer can make again: an engine may leave its replicated state out and rebuild it
+        parity = build_keeper(state=getattr(engine, "protected_state", engine.local_state),
+                              rebuild=getattr(engine, "rebuild_replicated", None), local_state=engine.local_state,
+                              resilience=recipe.resilience, nproc_per_node=recipe.world.nproc)
     timeline["engine_at"] = time.time()
     control = Control(address=os.environ["DTK_STORE"], rank=rank, attempt=attempt)
     injector = Injector(rank=rank, store=control.run_store, engine=engine)

@@ -1,27 +1,33 @@
-"""Who holds which parity of every rank's `local_state()`, when it is current, and how lost ranks are rebuilt
-from it: `ParityKeeper`, one per rank, on process groups of its own (the seam's, uncounted as strategy traffic).
+"""Who holds which parity of every rank's protected state, when it is current, and how lost ranks are rebuilt from
+it: `ParityKeeper`, one per rank, on process groups of its own (the seam's, uncounted as strategy traffic).
 
-Each rank keeps two *slots*. A slot holds, for one step boundary T (T = optimizer updates applied), the rank's
-state bytes at T laid out as tier 1's rows (`erasure.XorLayout`: the send buffer of the exchange, and the undo
-copy), its tier-1 stripe and its tier-2 shards of T. A slot is *usable* for T when both its data and its parity
-are of T. `protect(T)` fills the slot that is not current, in a background thread: copy the live state into it,
-one reduce-scatter (BXOR) in the parity group, one all-to-all + Reed-Solomon encode in the column (tier 2), then a
-vote (an all-reduce over every rank); only when the vote completes without a failure does that slot become
-current. The trainer calls `wait_current()` before the next optimizer update, so the update never starts before
-its step boundary is protected, and never overwrites the only usable copy.
+What is protected is what no peer can rebuild: the engine's `protected_state()` (ZeRO leaves out its low-precision
+parameters, which the all-gather of the master partitions, or a local cast, makes again: `rebuild_replicated()`).
 
-Commit rule (what survivors agree on). After a failure, every rank reports its usable steps; the rebuild step is
-T = max of the steps usable on every survivor. It always exists: if no survivor saw the vote of n+1 complete,
-nobody's current slot moved past n, and every rank kept n usable (the slot being filled is the other one); if
-some survivor saw it complete, every rank entered that vote after finishing its exchange of n+1, so n+1 is usable
-everywhere. Every rank then writes the bytes of T back into its live tensors (a half-done update is rolled back),
-the lost ranks' bytes are decoded into theirs, and parity is rebuilt by `protect(T)`. Cost: the undo copy is one
-local state per slot (2 x state + 2 x parity per rank in all); a second failure before that `protect(T)` completes
-is not recoverable (the replacements hold no parity yet).
+One staging buffer per rank, `rows`: tier 1's k x C send buffer (`erasure.XorLayout`) of the state at the protected
+step boundary T (updates applied), whose own row, a hole in the layout, holds this rank's tier-1 stripe of T; beside
+it the tier-2 shards of T. So the memory held is one copy of the state plus its parity: (k/(k-1)) x the state, 1.5x
+for k = 3. `protect(T')` runs in a background thread while the live tensors hold T' (the trainer starts no update
+until `wait_current()`): XOR the live state into the rows, which then hold the delta T xor T' (and T = rows xor live);
+one reduce-scatter (BXOR) of the rows into a fresh C-byte buffer gives stripe(T) xor stripe(delta) = stripe(T'), the
+hole being the old stripe; tier 2 sends delta chunks and adds their Reed-Solomon parity (a linear code) to the old
+shards; then a vote (an all-gather over every rank); when it completes, copy the live state into the rows (T') and
+move the fresh stripe into the hole. One XOR and one copy of the state per protection, no other. The fresh buffers (C + m x C2 bytes) exist only while an exchange runs.
+
+Commit rule (what survivors agree on). After a failure, every rank reports its usable steps: T (always, from the
+rows, xor the live state while a delta is held) and T' if its own exchange of T' completed. The rebuild step is the
+max of the steps usable on every survivor. It always exists: every rank keeps T until it has seen the vote of T'
+complete, and a rank sees that only once every rank has entered the vote, that is, finished its exchange of T', so
+T' is then usable everywhere. Every rank then writes the bytes of that step back into its live tensors (the updates
+since, and a half-done one, are rolled back), the lost ranks' rows are rebuilt whole, parity included (one XOR-reduce
+of the survivors' rows), and the engine rebuilds its replicated state. Nothing is protected again before the next
+step: the rebuilt rows are the lost rank's rows. A second failure before a replacement's rows are rebuilt is not
+recoverable (it holds no parity yet).
 
 Call sequence. Every rank (a replacement too, while Seam.joining) builds the keeper right after its engine
 (`build_keeper`); `protect(start_step)` before the loop. Each step: forward and backward, `wait_current()` (False:
-a peer failed, do not update), the optimizer update, `protect(step + 1)`. After a failure: `settle()`,
+a peer failed, do not update), the optimizer update, and `protect(step + 1)` when `due(step + 1)` (every
+`resilience.protect_every` steps: a rollback redoes at most that many). After a failure: `settle()`,
 `Seam.reconfigure(g + 1)`, then `recover(lost)` on every rank; training resumes at the report's `step`.
 """
 from __future__ import annotations
@@ -39,10 +45,15 @@ import torch.distributed as dist
 from dtk.comm.group import Seam
 from dtk.recipe import parity_layout
 from dtk.resilience.erasure import RSLayout, XorLayout
+from dtk.resilience.schedule import DEFAULT_MTBF_S, ProtectSchedule
+from dtk.resilience.staging import FlatState
 
 log = logging.getLogger(__name__)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+PIECE = 8 << 20
+"""Bytes per XOR-reduce of a rebuild: gloo's reduce overwrites its input on the senders, so each sends a copy of one
+piece of its rows at a time, not of all of them."""
 
 
 class ParityLost(RuntimeError):
@@ -57,14 +68,14 @@ class RebuildReport:
     """1: XOR inside the parity groups; 2: Reed-Solomon across groups; 0: nothing was lost (a rollback only)."""
     lost: list[int]
     bytes_decoded: int
-    """Local-state bytes rebuilt, over all lost ranks."""
+    """Protected-state bytes rebuilt, over all lost ranks."""
     seconds: float
-    """From the call until every rank's live tensors hold step T (parity is rebuilt afterwards, in background)."""
+    """From the call until every rank's live tensors hold step T and the lost ranks' parity is rebuilt."""
 
 
 def agree_step(usable: dict[int, list[int]], *, lost: set[int]) -> int:
     """The commit rule: the newest step boundary usable (data and parity of that step) on every survivor, given
-    each survivor's usable steps (-1 = a slot with none). Raises ParityLost when there is none."""
+    each survivor's usable steps (-1 = none). Raises ParityLost when there is none."""
     common = None
     for steps in usable.values():
         mine = {s for s in steps if s >= 0}
@@ -75,65 +86,25 @@ def agree_step(usable: dict[int, list[int]], *, lost: set[int]) -> int:
     return max(common)
 
 
-class FlatState:
-    """A list of live tensors seen as one flat byte string (each tensor's bytes through a uint8 view)."""
-
-    def __init__(self, tensors: list[torch.Tensor]):
-        self.views = []
-        for i, t in enumerate(tensors):
-            if not t.is_contiguous():
-                raise ValueError(f"local_state()[{i}] is not contiguous; its bytes cannot be written back in place")
-            self.views.append(t.detach().reshape(-1).view(torch.uint8))
-        self.nbytes = sum(v.numel() for v in self.views)
-
-    def read_into(self, dst: torch.Tensor, start: int) -> None:
-        """dst <- flat bytes [start, start + len(dst)), zeros past the end of the state."""
-        self._walk(dst, start, lambda view, part: part.copy_(view))
-        tail = max(0, self.nbytes - start)
-        if tail < dst.numel():
-            dst[tail:].zero_()
-
-    def write_from(self, src: torch.Tensor, start: int) -> None:
-        """Flat bytes [start, start + len(src)) <- src (bytes past the end of the state are ignored)."""
-        with torch.no_grad():
-            self._walk(src, start, lambda view, part: view.copy_(part))
-
-    def _walk(self, buf: torch.Tensor, start: int, op) -> None:
-        stop, offset = start + buf.numel(), 0
-        for v in self.views:
-            lo, hi = max(start, offset), min(stop, offset + v.numel())
-            if lo < hi:
-                op(v[lo - offset:hi - offset], buf[lo - start:hi - start])
-            offset += v.numel()
-
-
-@dataclass
-class Slot:
-    rows: np.ndarray
-    parity1: np.ndarray
-    parity2: np.ndarray
-    data_step: int = -1
-    parity_step: int = -1
-
-    @property
-    def usable(self) -> int:
-        return self.data_step if self.data_step == self.parity_step else -1
-
-
 @dataclass
 class ExchangeStats:
     """What one protect() cost this rank: seconds per phase and bytes it put on the wire (ring bus factors)."""
 
     step: int = -1
     fill_s: float = 0.0
+    """The XOR of the live state into the staging rows (the delta)."""
     tier1_s: float = 0.0
     tier2_s: float = 0.0
     encode_s: float = 0.0
     vote_s: float = 0.0
+    commit_s: float = 0.0
+    """The copy of the live state into the rows (they hold the new step) and the stripe moved into its place."""
     seconds: float = 0.0
+    cpu_s: float = 0.0
+    """CPU seconds of the protecting thread (its XORs and encodes; gloo's own threads not included)."""
     bytes: float = 0.0
-    totals: dict = field(default_factory=lambda: {"protects": 0, "seconds": 0.0, "bytes": 0.0, "encode_s": 0.0,
-                                                  "stall_s": 0.0})
+    totals: dict = field(default_factory=lambda: {"protects": 0, "seconds": 0.0, "cpu_s": 0.0, "bytes": 0.0,
+                                                  "encode_s": 0.0, "stall_s": 0.0})
     """stall_s: what the trainer waited for a protect to finish before an update (the part not overlapped with
     forward and backward)."""
 
@@ -141,11 +112,16 @@ class ExchangeStats:
 class ParityKeeper:
     """Tier-1 XOR parity inside groups of `group_size` consecutive ranks, tier-2 Reed-Solomon with `tier2` parity
     shards across groups (0 = off), of the tensors `state()` returns; built on every rank in the same order (a
-    replacement too), after the default process group (the seam) exists."""
+    replacement too), after the default process group (the seam) exists. `rebuild()` (collective) makes the
+    engine's unprotected, replicated state again from the protected one; `local_state()` is the engine's whole
+    local state, for the figures."""
 
     def __init__(self, *, state: Callable[[], list[torch.Tensor]], group_size: int, tier2: int = 0,
-                 ec_type: str | None = None):
+                 ec_type: str | None = None, rebuild: Callable[[], None] | None = None,
+                 local_state: Callable[[], list[torch.Tensor]] | None = None, schedule: ProtectSchedule | None = None):
         self.state_fn, self.ec_type = state, ec_type
+        self.rebuild_fn, self.local_fn = rebuild, local_state or state
+        self.schedule = schedule or ProtectSchedule(every=1, mtbf_s=DEFAULT_MTBF_S)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if group_size < 2 or self.world % group_size:
             raise ValueError(f"parity groups of {group_size} ranks do not tile a world of {self.world} "
@@ -172,16 +148,33 @@ class ParityKeeper:
         self.rs: RSLayout | None = None
         self.codec = None
         self.sizes: list[int] = []
-        self.slots: list[Slot] = []
-        self.current = 0
+        self.forget()
         self.stats = ExchangeStats()
         self._thread: threading.Thread | None = None
         self._result: bool | BaseException = True
+
+    def forget(self) -> None:
+        """Hold nothing (a fresh replacement's keeper): no layout, no protected step."""
+        self.rows: np.ndarray | None = None
+        """k x C: the protected step's bytes in tier 1's layout, this rank's stripe in its own row."""
+        self.parity2 = np.zeros(0, dtype=np.uint8)
+        self.base = -1
+        """The step boundary `rows` and the parity hold (-1: none yet)."""
+        self.delta_to = -1
+        """While an exchange runs (or after one a failure cut short): the rows hold base xor this step."""
+        self.fresh1: np.ndarray | None = None
+        self.fresh2: np.ndarray | None = None
+        self.fresh_step = -1
+        """The step whose parity the fresh buffers hold whole (this rank's exchange of it completed)."""
 
     # -- sizes --
     @property
     def state_bytes(self) -> int:
         return FlatState(self.state_fn()).nbytes
+
+    @property
+    def protected(self) -> bool:
+        return self.base >= 0
 
     @property
     def parity_bytes_per_rank(self) -> int:
@@ -190,36 +183,51 @@ class ParityKeeper:
 
     @property
     def memory_bytes(self) -> int:
-        """Everything the keeper holds: two slots of rows (the undo copies) and parity."""
-        return sum(s.rows.nbytes + s.parity1.nbytes + s.parity2.nbytes for s in self.slots)
+        """What the keeper holds between exchanges: the staging rows (state and stripe) and the tier-2 shards."""
+        return 0 if self.rows is None else self.rows.nbytes + self.parity2.nbytes
+
+    @property
+    def peak_memory_bytes(self) -> int:
+        """While an exchange runs: also the fresh parity it builds (C1 + m x C2)."""
+        return self.memory_bytes + self.parity_bytes_per_rank
+
+    def usable(self) -> list[int]:
+        """The steps this rank can restore with their parity: the protected one, and the one whose exchange it
+        finished when a failure stopped the vote."""
+        return [self.base, self.fresh_step if self.delta_to >= 0 and self.fresh_step == self.delta_to else -1]
+
+    def due(self, step: int) -> bool:
+        """Whether boundary `step` is one to protect (every rank answers the same)."""
+        return self.base < 0 or step - self.base >= self.schedule.interval
 
     def figures(self) -> dict:
-        """For summary.json's `resilience` section."""
-        return {"parity_bytes_per_rank": self.parity_bytes_per_rank, "local_state_bytes": self.state_bytes,
-                "parity_memory_bytes_per_rank": self.memory_bytes, "parity_group": self.k,
-                "parity_tier2": self.m, "ec_type": self.codec.ec_type if self.codec else None,
-                "exchange": {k: v for k, v in vars(self.stats).items()}}
+        """For summary.json's `parity` section."""
+        local = FlatState(self.local_fn()).nbytes
+        return {"parity_bytes_per_rank": self.parity_bytes_per_rank, "local_state_bytes": local,
+                "protected_state_bytes": self.state_bytes, "protection_memory_bytes": self.memory_bytes,
+                "parity_memory_bytes_per_rank": self.memory_bytes,
+                "protection_peak_memory_bytes": self.peak_memory_bytes,
+                "protection_memory_ratio": self.memory_bytes / local if local else None,
+                "parity_group": self.k, "parity_tier2": self.m, "ec_type": self.codec.ec_type if self.codec else None,
+                **self.schedule.figures(), "exchange": {k: v for k, v in vars(self.stats).items()}}
 
     def _set_layout(self, sizes: list[int]) -> None:
-        if sizes == self.sizes and self.slots:
+        if sizes == self.sizes and self.rows is not None:
             return
-        if self.slots and any(s.usable >= 0 for s in self.slots):
-            raise ParityLost(f"local state sizes changed from {self.sizes} to {sizes} bytes; the parity held "
+        if self.protected:
+            raise ParityLost(f"protected state sizes changed from {self.sizes} to {sizes} bytes; the parity held "
                              f"does not fit them")
         self.sizes, b = sizes, max(sizes)
         self.xor = XorLayout.for_state(k=self.k, state_bytes=b)
         if self.m:
             self.rs = RSLayout.for_state(groups=self.groups, m=self.m, state_bytes=b)
             self.codec = self.rs.codec(self.ec_type)
-        c2 = self.rs.chunk * self.m if self.rs else 0
-        self.slots = [Slot(rows=np.zeros((self.k, self.xor.chunk), dtype=np.uint8),
-                           parity1=np.zeros(self.xor.chunk, dtype=np.uint8),
-                           parity2=np.zeros(c2, dtype=np.uint8)) for _ in range(2)]
-        self.current = 0
+        self.rows = np.zeros((self.k, self.xor.chunk), dtype=np.uint8)
+        self.parity2 = np.zeros(self.rs.chunk * self.m if self.rs else 0, dtype=np.uint8)
 
-    def _all_gather(self, values: list[int]) -> np.ndarray:
-        mine = torch.tensor(values, dtype=torch.int64)
-        out = torch.zeros(self.world * len(values), dtype=torch.int64)
+    def _all_gather(self, values: list[float], dtype=torch.int64) -> np.ndarray:
+        mine = torch.tensor(values, dtype=dtype)
+        out = torch.zeros(self.world * len(values), dtype=dtype)
         _all_gather_single(out, mine, group=self.world_group)
         return out.view(self.world, len(values)).numpy()
 
@@ -227,24 +235,57 @@ class ParityKeeper:
     def _failed(generation: int) -> bool:
         return Seam.failed_generation >= generation or Seam.generation != generation
 
+    # -- the live state against the rows --
+    def _xor_live(self, flat: FlatState, *, copy: bool = False) -> None:
+        """rows ^= the live state in tier 1's layout, or rows <- it (`copy`); the own row, the stripe, is left alone."""
+        body = torch.from_numpy(self.rows).view(-1)
+        c, cut = self.xor.chunk, self.member * self.xor.chunk
+        op = flat.copy_into if copy else flat.xor_into
+        op(body[:cut], 0)
+        op(body[cut + c:], cut)
+
+    def _restore(self) -> None:
+        """Live tensors <- the rows' bytes (a rollback on a survivor, the rebuilt state on a replacement)."""
+        flat, body = FlatState(self.state_fn()), torch.from_numpy(self.rows).view(-1)
+        c, cut = self.xor.chunk, self.member * self.xor.chunk
+        flat.write_from(body[:cut], 0)
+        flat.write_from(body[cut + c:], cut)
+
+    def _flat_range(self, lo: int, hi: int) -> np.ndarray:
+        """The padded flat state's bytes [lo, hi) read out of the rows (zeros past their end), as a new array."""
+        out = np.zeros(hi - lo, dtype=np.uint8)
+        body, c, cut, end = self.rows.reshape(-1), self.xor.chunk, self.member * self.xor.chunk, self.xor.padded_bytes
+        for a, b, shift in ((lo, min(hi, cut), 0), (max(lo, cut), min(hi, end), c)):
+            if a < b:
+                out[a - lo:b - lo] = body[a + shift:b + shift]
+        return out
+
+    def _data_chunk(self, stripe: int) -> np.ndarray:
+        """My tier-2 data chunk for `stripe` (rs.chunk_of on the flat state, without flattening all of it)."""
+        c2 = self.rs.chunk
+        n = self.rs.data_stripes(self.group_index).index(stripe)
+        return self._flat_range(n * c2, (n + 1) * c2)
+
     # -- keeping parity current --
-    def protect(self, step: int) -> None:
+    def protect(self, step: int, *, step_seconds: float = 0.0) -> None:
         """Start building the parity of the state at boundary `step` (updates applied) in a background thread.
-        Call on every rank after a committed update (and once at the start), never while an update runs."""
+        Call on every rank after a committed update when due(step) (and once at the start), never while an update
+        runs; `step_seconds` (the last step's) weighs the protection's cost for `protect_every: auto`."""
         self.settle()
         self._result = False
         generation = Seam.generation
-        flat = FlatState(self.state_fn())  # here, not in the thread: local_state() may create optimizer state
-        self._thread = threading.Thread(target=self._run_protect, args=(step, generation, flat), daemon=True,
-                                        name=f"dtk-parity-{step}")
+        flat = FlatState(self.state_fn())  # here, not in the thread: state() may create optimizer state
+        self._thread = threading.Thread(target=self._run_protect, args=(step, generation, flat, step_seconds),
+                                        daemon=True, name=f"dtk-parity-{step}")
         self._thread.start()
 
     def wait_current(self) -> bool:
         """Block until the last protect() is over; True if its step is protected (the update may start), False if a
         peer failed meanwhile (the seam has flagged it: do not update, recover)."""
-        t0 = time.perf_counter()
-        self.settle()
-        self.stats.totals["stall_s"] += time.perf_counter() - t0
+        if self._thread is not None:
+            t0 = time.perf_counter()
+            self.settle()
+            self.stats.totals["stall_s"] += time.perf_counter() - t0
         if isinstance(self._result, BaseException):
             raise self._result
         return self._result
@@ -256,77 +297,83 @@ class ParityKeeper:
             self._thread.join()
             self._thread = None
 
-    def _run_protect(self, step: int, generation: int, flat: FlatState) -> None:
+    def _run_protect(self, step: int, generation: int, flat: FlatState, step_s: float) -> None:
         try:
             with Seam.uncounted():
-                self._result = self._protect(step, generation, flat)
+                self._result = self._protect(step, generation, flat, step_s)
         except BaseException as e:  # a bug: hand it to the trainer's thread with its traceback
             self._result = e
 
-    def _protect(self, step: int, generation: int, flat: FlatState) -> bool:
-        st, t0 = self.stats, time.perf_counter()
-        if not self.slots:
+    def _protect(self, step: int, generation: int, flat: FlatState, step_s: float) -> bool:
+        st, t0, cpu0 = self.stats, time.perf_counter(), time.thread_time()
+        if self.rows is None:
             self._set_layout([int(v) for v in self._all_gather([flat.nbytes])[:, 0]])
             if self._failed(generation):
                 return False
         if flat.nbytes != self.sizes[self.rank]:
-            raise RuntimeError(f"local_state() changed from {self.sizes[self.rank]} to {flat.nbytes} bytes between "
-                               f"step boundaries; parity needs its layout fixed for the whole run")
-        slot = self.slots[1 - self.current]
-        slot.data_step = slot.parity_step = -1
-        self._fill_rows(slot, flat)
-        slot.data_step = step
+            raise RuntimeError(f"the protected state changed from {self.sizes[self.rank]} to {flat.nbytes} bytes "
+                               f"between step boundaries; parity needs its layout fixed for the whole run")
+        self.delta_to, self.fresh_step = step, -1
+        self._xor_live(flat)  # rows = base xor step; the own row keeps the stripe of base
         t1 = time.perf_counter()
-        _reduce_scatter_single(torch.from_numpy(slot.parity1), torch.from_numpy(slot.rows).view(-1),
+        fresh1 = np.empty(self.xor.chunk, dtype=np.uint8)
+        _reduce_scatter_single(torch.from_numpy(fresh1), torch.from_numpy(self.rows).view(-1),
                                op=dist.ReduceOp.BXOR, group=self.tier1_group)
-        wire = slot.rows.nbytes * (self.k - 1) / self.k
+        wire = self.rows.nbytes * (self.k - 1) / self.k
         t2 = time.perf_counter()
         if self._failed(generation):
             return False
-        encode_s = 0.0
+        self.fresh1, encode_s = fresh1, 0.0
         if self.m:
-            sent, encode_s = self._tier2_exchange(slot)
+            self.fresh2 = self.parity2.copy()
+            sent, encode_s = self._tier2_exchange(self.fresh2)
             wire += sent
             if self._failed(generation):
                 return False
         t3 = time.perf_counter()
-        slot.parity_step = step
-        vote = torch.ones(1, dtype=torch.int64)
-        dist.all_reduce(vote, group=self.world_group)
-        if self._failed(generation) or int(vote) != self.world:
+        self.fresh_step = step
+        votes = self._all_gather([1.0, t3 - t0, step_s], dtype=torch.float64)
+        if self._failed(generation) or int(votes[:, 0].sum()) != self.world:
             return False
-        self.current = 1 - self.current
         t4 = time.perf_counter()
-        st.step, st.fill_s, st.tier1_s, st.tier2_s, st.encode_s, st.vote_s = (step, t1 - t0, t2 - t1, t3 - t2,
-                                                                              encode_s, t4 - t3)
-        st.seconds, st.bytes = t4 - t0, wire
-        st.totals["protects"] += 1
-        st.totals["seconds"] += st.seconds
-        st.totals["bytes"] += wire
-        st.totals["encode_s"] += encode_s
+        self._commit(flat)
+        self.schedule.observe(cost_s=float(votes[:, 1].max()), step_s=float(votes[:, 2].max()))
+        t5 = time.perf_counter()
+        st.step, st.fill_s, st.tier1_s, st.tier2_s, st.encode_s = step, t1 - t0, t2 - t1, t3 - t2, encode_s
+        st.vote_s, st.commit_s, st.seconds, st.bytes = t4 - t3, t5 - t4, t5 - t0, wire
+        st.cpu_s = time.thread_time() - cpu0
+        for key, v in (("protects", 1), ("seconds", st.seconds), ("cpu_s", st.cpu_s), ("bytes", wire),
+                       ("encode_s", encode_s)):
+            st.totals[key] += v
         return True
 
-    def _fill_rows(self, slot: Slot, flat: FlatState) -> None:
-        body = torch.from_numpy(slot.rows).view(-1)
-        c, cut = self.xor.chunk, self.member * self.xor.chunk
-        flat.read_into(body[:cut], 0)
-        body[cut:cut + c].zero_()
-        flat.read_into(body[cut + c:], cut)
+    def _commit(self, flat: FlatState) -> None:
+        """The vote passed: rows <- the new step (the live state), its stripe into the own row."""
+        self._xor_live(flat, copy=True)
+        self.rows[self.member] = self.fresh1
+        if self.m:
+            self.parity2 = self.fresh2
+        self.base, self.delta_to, self.fresh_step, self.fresh1, self.fresh2 = self.delta_to, -1, -1, None, None
 
-    def _restore(self, slot: Slot) -> None:
-        """Live tensors <- the slot's bytes (a rollback on a survivor, the rebuilt state on a replacement)."""
-        flat, body = FlatState(self.state_fn()), torch.from_numpy(slot.rows).view(-1)
-        c, cut = self.xor.chunk, self.member * self.xor.chunk
-        flat.write_from(body[:cut], 0)
-        flat.write_from(body[cut + c:], cut)
+    def _settle_delta(self, step: int) -> None:
+        """After a failure cut an exchange short: rows <- base or delta_to, whichever every rank agreed on."""
+        if self.delta_to < 0:
+            return
+        # the live state is delta_to (no update ran since): rows xor it is base, a copy of it is delta_to
+        self._xor_live(FlatState(self.state_fn()), copy=step == self.delta_to)
+        if step == self.delta_to:
+            self.rows[self.member] = self.fresh1
+            if self.m:
+                self.parity2 = self.fresh2
+            self.base = step
+        self.delta_to, self.fresh_step, self.fresh1, self.fresh2 = -1, -1, None, None
 
-    def _flat(self, slot: Slot) -> np.ndarray:
-        return self.xor.flat(slot.rows, self.member)
-
-    def _tier2_exchange(self, slot: Slot) -> tuple[float, float]:
-        """Send my data chunks to the holders of their stripes; encode the stripes I hold. Returns (bytes, s)."""
-        rs, me, flat = self.rs, self.group_index, self._flat(slot)
-        send = [[rs.chunk_of(flat, me, s) for s, _ in rs.held(h) if me in rs.data_members(s)] if h != me else []
+    def _tier2_exchange(self, parity: np.ndarray) -> tuple[float, float]:
+        """Send my data chunks (of what the rows hold) to the holders of their stripes; XOR the Reed-Solomon
+        parity of the stripes I hold into `parity` (a linear code: parity of a delta updates the parity of the
+        state). Returns (bytes sent, encode seconds)."""
+        rs, me = self.rs, self.group_index
+        send = [[self._data_chunk(s) for s, _ in rs.held(h) if me in rs.data_members(s)] if h != me else []
                 for h in range(self.groups)]
         recv_from = [[s for s, _ in rs.held(me) if j in rs.data_members(s)] if j != me else []
                      for j in range(self.groups)]
@@ -335,7 +382,8 @@ class ParityKeeper:
         t0 = time.perf_counter()
         for q, (s, p) in enumerate(rs.held(me)):
             shards = self.codec.encode([got[(s, j)] for j in rs.data_members(s)])
-            slot.parity2[q * rs.chunk:(q + 1) * rs.chunk] = shards[p]
+            part = parity[q * rs.chunk:(q + 1) * rs.chunk]
+            np.bitwise_xor(part, shards[p], out=part)
         return float(sum(len(x) for x in send) * rs.chunk), time.perf_counter() - t0
 
     def _all_to_all(self, send: list[list[np.ndarray]], recv_counts: list[int]) -> list[list[np.ndarray]]:
@@ -355,41 +403,48 @@ class ParityKeeper:
     # -- recovery --
     def recover(self, lost: list[int]) -> RebuildReport:
         """Run collectively by every rank (survivors and replacements, the ranks in `lost`) once the groups are
-        rebuilt (Seam.reconfigure): agree on the step T, roll every survivor back to T, decode the lost ranks'
-        bytes of T into their live tensors, and start protect(T). Also repairs a corrupt rank in place (list it in
-        `lost`: its own bytes and parity are not used). Raises ParityLost when the parity left cannot do it."""
+        rebuilt (Seam.reconfigure): agree on the step T, roll every survivor back to T, rebuild the lost ranks'
+        rows of T (state and parity) and write them into their live tensors, then the engines' replicated state.
+        Also repairs a corrupt rank in place (list it in `lost`: its own bytes and parity are not used). Raises
+        ParityLost when the parity left cannot do it."""
         self.settle()
         t0 = time.perf_counter()
         generation = Seam.generation
         lost_set = set(lost)
         is_lost = self.rank in lost_set
-        mine = [self.state_bytes] + ([-1, -1] if is_lost or not self.slots else [s.usable for s in self.slots])
+        mine = [self.state_bytes] + ([-1, -1] if is_lost or self.rows is None else self.usable())
         with Seam.uncounted():
-            table = self._all_gather(mine)
+            table = self._all_gather(mine + [self.schedule.interval])
             self._check(generation, "agreeing on the step")
-            self._set_layout([int(v) for v in table[:, 0]])
-            step = agree_step({r: [int(v) for v in table[r, 1:]] for r in range(self.world) if r not in lost_set},
-                              lost=lost_set)
             if is_lost:
-                slot = self.slots[self.current]
-                slot.data_step = slot.parity_step = -1
-            else:
-                self.current = next(i for i, s in enumerate(self.slots) if s.usable == step)
-                slot = self.slots[self.current]
+                self.forget()
+            self._set_layout([int(v) for v in table[:, 0]])
+            survivors = [r for r in range(self.world) if r not in lost_set]
+            step = agree_step({r: [int(v) for v in table[r, 1:3]] for r in survivors}, lost=lost_set)
+            self.schedule.adopt(int(table[survivors, 3].max()))
+            if not is_lost:
+                self._settle_delta(step)
             tier = self._plan_tier(lost_set)
             if tier == 1:
-                self._rebuild_tier1(slot, lost_set)
+                self._rebuild_tier1(lost_set)
             elif tier == 2:
-                self._rebuild_tier2(slot, lost_set)
+                self._rebuild_tier2(lost_set)
+                self._rebuild_stripes(lost_set)
+            if tier and self.m:  # the lost ranks' tier-2 shards: encoded again from the rows, everywhere
+                parity2 = np.zeros_like(self.parity2)
+                self._tier2_exchange(parity2)
+                self.parity2 = parity2
             self._check(generation, f"rebuilding from tier {tier}")
-            if is_lost:
-                slot.data_step = step
-            self._restore(slot)
+            self._restore()
+            if self.rebuild_fn is not None:
+                self.rebuild_fn()
+            self._check(generation, "rebuilding the replicated state")
+            self.base = step
+        self._result = True
         report = RebuildReport(step=step, tier=tier, lost=sorted(lost_set),
                                bytes_decoded=sum(self.sizes[r] for r in lost_set), seconds=time.perf_counter() - t0)
         log.info("rebuilt rank(s) %s from tier %d at step %d: %d bytes in %.3fs", report.lost, tier, step,
                  report.bytes_decoded, report.seconds)
-        self.protect(step)
         return report
 
     def _check(self, generation: int, what: str) -> None:
@@ -411,36 +466,39 @@ class ParityKeeper:
                              f"tier 2 survives at most resilience.parity_tier2 = {self.m}")
         return 2
 
-    def _rebuild_tier1(self, slot: Slot, lost: set[int]) -> None:
-        """One XOR-reduce to the lost member of my group (if it lost one); survivors send their chunks and stripe."""
-        mine = [r for r in lost if r // self.k == self.group_index]
-        if not mine:
-            return
-        target = mine[0]
-        if self.rank == target:
-            buf = np.zeros_like(slot.rows)
-        else:
-            buf = self.xor.contribution(member=self.member, lost=target % self.k, rows=slot.rows,
-                                        parity=slot.parity1)
-        t = torch.from_numpy(buf)
-        dist.reduce(t.view(-1), dst=target, op=dist.ReduceOp.BXOR, group=self.tier1_group)
-        if self.rank == target:
-            slot.rows[:] = buf
+    def _reduce_to(self, target: int, buf: np.ndarray) -> None:
+        """XOR of every group member's `buf` into the target's `buf`, a piece at a time (the senders send copies)."""
+        flat = torch.from_numpy(buf).view(-1)
+        for lo in range(0, flat.numel(), PIECE):
+            piece = flat[lo:lo + PIECE]
+            dist.reduce(piece if self.rank == target else piece.clone(), dst=target, op=dist.ReduceOp.BXOR,
+                        group=self.tier1_group)
 
-    def _rebuild_tier2(self, slot: Slot, lost: set[int]) -> None:
+    def _rebuild_tier1(self, lost: set[int]) -> None:
+        """One XOR-reduce of the rows to the lost member of my group (if it lost one). At the lost member's row s
+        the survivors' rows add up to its chunk for stripe s (holder s adds the stripe, the others their chunks),
+        and at its own row to its stripe: the lost rank gets its whole rows back, parity included."""
+        mine = [r for r in lost if r // self.k == self.group_index]
+        if mine:
+            self._reduce_to(mine[0], self.rows)
+
+    def _rebuild_stripes(self, lost: set[int]) -> None:
+        """After tier 2 rebuilt the lost members' data: each one's stripe, the XOR of the others' chunks for it."""
+        for target in sorted(r for r in lost if r // self.k == self.group_index):
+            self._reduce_to(target, self.rows[target % self.k])
+
+    def _rebuild_tier2(self, lost: set[int]) -> None:
         """In my column: every needed survivor sends each lost member its shard of that member's data stripes."""
         rs, me = self.rs, self.group_index
         column_lost = {r // self.k for r in lost if r % self.k == self.member}
         if not column_lost:
             return
-        flat = None if me in column_lost else self._flat(slot)
         send, recv_from = [], []
         for d in range(self.groups):
             if me in column_lost or d not in column_lost:
                 send.append([])
             else:
-                send.append([rs.shard_of(member=me, stripe=s, flat=flat, parity=slot.parity2)
-                             for s in rs.data_stripes(d) if me in rs.sources(s, column_lost)])
+                send.append([self._shard_of(s) for s in rs.data_stripes(d) if me in rs.sources(s, column_lost)])
         for j in range(self.groups):
             recv_from.append([s for s in rs.data_stripes(me) if j in rs.sources(s, column_lost)]
                              if me in column_lost and j not in column_lost else [])
@@ -450,21 +508,32 @@ class ParityKeeper:
             for j in range(self.groups):
                 for n, s in enumerate(recv_from[j]):
                     shards.setdefault(s, {})[rs.shard_index(s, j)] = received[j][n]
-            slot.rows[:] = self.xor.rows(rs.rebuild(me, shards, self.codec)[:self.xor.padded_bytes], self.member)
+            self.rows[:] = self.xor.rows(rs.rebuild(me, shards, self.codec)[:self.xor.padded_bytes], self.member)
+
+    def _shard_of(self, stripe: int) -> np.ndarray:
+        """What I send to rebuild `stripe`: my data chunk of it, or my parity shard of it (rs.shard_of)."""
+        rs, me = self.rs, self.group_index
+        if me in rs.data_members(stripe):
+            return self._data_chunk(stripe)
+        q = [sp[1] for sp in rs.held(me)].index(rs.holders(stripe).index(me))
+        return self.parity2[q * rs.chunk:(q + 1) * rs.chunk]
 
     # -- corruption --
     def mismatched_bytes(self) -> int:
-        """Bytes of the live state that differ from the current slot (between protect and the next update they
-        must be equal: a difference is a bit flip). Local, no collective."""
-        slot = self.slots[self.current] if self.slots else None
-        if slot is None or slot.data_step < 0:
+        """Bytes of the live state that differ from the protected step (right after a protect and before the next
+        update they must be equal: a difference is a bit flip). Local, no collective."""
+        if not self.protected or self.delta_to >= 0:
             return 0
         live = torch.zeros(self.xor.padded_bytes, dtype=torch.uint8)
-        FlatState(self.state_fn()).read_into(live, 0)
-        return int(np.count_nonzero(self._flat(slot) != live.numpy()))
+        FlatState(self.state_fn()).xor_into(live, 0)
+        return int(np.count_nonzero(self.xor.flat(self.rows, self.member) != live.numpy()))
 
 
-def build_keeper(*, state: Callable[[], list[torch.Tensor]], resilience, nproc_per_node: int) -> ParityKeeper:
+def build_keeper(*, state: Callable[[], list[torch.Tensor]], resilience, nproc_per_node: int,
+                 rebuild: Callable[[], None] | None = None,
+                 local_state: Callable[[], list[torch.Tensor]] | None = None) -> ParityKeeper:
     """The keeper a recipe asks for, on every rank (a replacement too), after the default group exists."""
     k, m = parity_layout(resilience, world=dist.get_world_size(), nproc_per_node=nproc_per_node)
-    return ParityKeeper(state=state, group_size=k, tier2=m)
+    schedule = ProtectSchedule(every=resilience.protect_every, mtbf_s=resilience.mtbf_s or DEFAULT_MTBF_S)
+    return ParityKeeper(state=state, group_size=k, tier2=m, rebuild=rebuild, local_state=local_state,
+                        schedule=schedule)

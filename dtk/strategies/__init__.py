@@ -47,11 +47,9 @@ can build and warm it before it knows whose place it will take. Sharded engines 
 rehearsal build for another rank has paid the first build's one-time costs (dtk.worker)."""
 
 
-REHEARSABLE = frozenset({"fsdp", "zero1", "zero2"})
-"""Sharded strategies whose shadow rehearses a build (dtk.worker). ZeRO-3 is left out: after a rehearsal, the
-promoted engine traced its modules under ids shifted by one model's count (17..33 for 0..16) on its first step,
-even with DeepSpeed's module counter reset to 0 after the rehearsal, and ZeRO-3 stops on a cross-rank trace
-mismatch; it builds cold on promotion."""
+REHEARSABLE = frozenset({"fsdp", "zero1", "zero2", "zero3"})
+"""Sharded strategies whose shadow rehearses a build (dtk.worker): all of them. (ZeRO-3 was left out until its
+module counter, which outlived the rehearsal's engine, was reset at every build: dtk.strategies.zero.)"""
 
 
 def build_engine(name: str, ctx: BuildContext) -> Engine:

@@ -41,6 +41,9 @@ class Engine(Protocol):
         """The ordered tensors that make this rank this rank: parameters (or shards), optimizer state, counters.
         They are the live tensors: writing into them changes the engine."""
 
+    # Optional: protected_state() -> list[Tensor], the part of local_state() that no peer can make again (what
+    # parity protects; default: all of it), and rebuild_replicated(), collective, which makes the rest again from it.
+
     def checkpoint_state(self) -> dict:
         """A state dict for torch.distributed.checkpoint (save and load in place)."""
 

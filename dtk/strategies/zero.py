@@ -16,6 +16,20 @@ def _quiet_deepspeed() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
+def _number_modules_from_zero() -> None:
+    """ZeRO-3 numbers the modules it hooks (their ds_id, the keys of its module trace, checked across ranks) with
+    a counter that is the mutable default argument of DeepSpeedZeRoOffload._register_deepspeed_module
+    (`count=[0]`): it lives as long as the process, so a process's second engine numbers its modules after the
+    first one's. A shadow that rehearsed a build then traced under ids shifted by one model's count and failed the
+    cross-rank check. Every build starts the count (and that of zero.Init's parameter ids) from 0, as a fresh
+    process does."""
+    from deepspeed.runtime.zero.parameter_offload import DeepSpeedZeRoOffload
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    DeepSpeedZeRoOffload._register_deepspeed_module.__defaults__[0][0] = 0
+    Init.param_id = 0
+
+
 class ZeroEngine:
     def __init__(self, ctx: BuildContext, *, stage: int):
         _quiet_deepspeed()
@@ -54,6 +68,8 @@ class ZeroEngine:
         }
         model = ctx.model_factory().to(ctx.device)
         optimizer = build_torch_optimizer(model.parameters(), r.optimizer)
+        if stage == 3:
+            _number_modules_from_zero()
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         self.module = self.engine.module
 
@@ -99,6 +115,35 @@ class ZeroEngine:
         else:
             materialize_optimizer_state(self.optimizer.optimizer)
         return low + master + optimizer_tensors(self.optimizer.optimizer, master)
+
+    def protected_state(self) -> list[torch.Tensor]:
+        """local_state() without the low-precision parameters: no peer's parity need hold what the master
+        partitions make again (rebuild_replicated)."""
+        low, master = self._flat_groups()
+        self.local_state()  # creates the optimizer state of a fresh engine
+        return master + optimizer_tensors(self.optimizer.optimizer, master)
+
+    def rebuild_replicated(self) -> None:
+        """Collective: the low-precision parameters from the master partitions, as DeepSpeed's step makes them
+        (ZeRO-1/2: cast my partition, then all-gather every rank's; ZeRO-3: cast my partition)."""
+        opt = self.optimizer
+        with torch.no_grad():
+            if self.stage == 3:
+                for low, master in zip(opt.fp16_partitioned_groups_flat, opt.fp32_partitioned_groups_flat):
+                    low.copy_(master)
+                return
+            from deepspeed.runtime.utils import all_gather_dp_groups
+
+            for i, master in enumerate(opt.single_partition_of_fp32_groups):
+                me = torch.distributed.get_rank(group=opt.real_dp_process_group[i])
+                opt.parallel_partitioned_bit16_groups[i][me].copy_(master)
+            all_gather_dp_groups(groups_flat=opt.bit16_groups_flat,
+                                 partitioned_param_groups=opt.parallel_partitioned_bit16_groups,
+                                 dp_process_group=opt.real_dp_process_group,
+                                 start_alignment_factor=opt.nccl_start_alignment_factor,
+                                 allgather_bucket_size=opt.allgather_bucket_size)
+            for i in range(len(opt.bit16_groups)):
+                opt._update_model_bit16_weights(i)
 
     def match_running_layout(self, x, y) -> None:
         pass  # a joining ZeRO-3 engine starts with no parameter trace; so do the others after a failure (discard_step)

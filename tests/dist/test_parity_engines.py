@@ -37,7 +37,7 @@ def _losses(engine, data, rank: int, keeper=None, wipe_rank: int | None = None) 
                     with torch.no_grad():
                         for t in engine.local_state():
                             t.zero_()
-                    keeper.slots, keeper.sizes = [], []
+                    keeper.forget()
                 report = vars(keeper.recover([wipe_rank]))
                 step = report["step"]
     if keeper:
@@ -75,7 +75,8 @@ def _rank(rank, world, port, queue):
 
         plain, _ = _losses(engine(), data, rank)
         e = engine()
-        keeper = ParityKeeper(state=e.local_state, group_size=world)
+        keeper = ParityKeeper(state=getattr(e, "protected_state", e.local_state), group_size=world,
+                              rebuild=getattr(e, "rebuild_replicated", None), local_state=e.local_state)
         protected, report = _losses(e, data, rank, keeper=keeper, wipe_rank=1)
         out[name] = {"plain": plain, "protected": protected, "report": report,
                      "parity_bytes": keeper.parity_bytes_per_rank, "state_bytes": keeper.state_bytes}

@@ -1,7 +1,7 @@
 """Sharded state survives a lost rank: FSDP and DeepSpeed ZeRO ranks on 3 ranks (an odd count) lose a rank in each
 phase of a step and to each kind of failure; the lost shard is rebuilt from the survivors' XOR parity (tier 1), or
 a whole parity group from Reed-Solomon parity (tier 2), and the run ends with the losses of the run without
-failures, compared with ==."""
+failures, compared with ==, also when parity is kept every 2 or 3 steps (a rollback redoes the steps since)."""
 from __future__ import annotations
 
 import json
@@ -31,6 +31,11 @@ rotates with the strategy, so that across them every (kind, phase) pair is run a
 time; DDP's kinds and phases are run on 3 ranks by tests/dist/test_shadows.py."""
 
 
+PROTECT_EVERY = {"ddp": 1, "fsdp": 2, "zero1": 1, "zero2": 2, "zero3": 3}
+"""resilience.protect_every per strategy: a failure between two protected boundaries rolls back further and redoes
+the steps since, with the same losses; zero1 keeps the default (every step)."""
+
+
 def chaos_faults(strategy: str) -> list[tuple[str, int, str]]:
     """(kind, rank, phase) in the order they fire; ranks rotate so that no rank is the only one ever lost."""
     if FULL:
@@ -49,6 +54,8 @@ def test_the_chaos_matrix_recovers_in_place_with_the_same_losses(tmp_path, strat
     steps = gap * (len(cells) + 1) + 3
     three = ["world.nproc=3", f"training.steps={steps}", "training.seed=3", f"strategy.name={strategy}"]
     ref = losses(train(tmp_path / "ref", *three))
+    every = PROTECT_EVERY[strategy]
+    three.append(f"resilience.protect_every={every}")
     specs = [f"{k}:rank={r},step={gap * (i + 1)},phase={p}" for i, (k, r, p) in enumerate(cells)]
     corrupt_step = gap * (len(cells) + 1)
     args = [a for spec in specs + [f"corrupt:rank=1,step={corrupt_step}"] for a in ("--fault", spec)]
@@ -60,12 +67,19 @@ def test_the_chaos_matrix_recovers_in_place_with_the_same_losses(tmp_path, strat
     assert [(f["fault"], f["rank"]) for f in failures] == [(k, r) for k, r, _ in cells] + [("corrupt", 1)]
     for f in failures:
         assert f["rebuilt_from"].startswith("peer") if strategy == "ddp" else f["rebuilt_from"] == "parity tier 1", f
-        assert f["repair_bytes"] > 0 and f["steps_lost"] in (0, 1)
+        assert f["repair_bytes"] > 0 and 0 <= f["steps_lost"] <= every, f
         assert [r["replacement"] for r in f["replacements"]] in (["shadow"], ["cold"])
     if strategy != "ddp":
         parity = summary["parity"]
-        # RAID-5 in one group of 3: each rank holds 1/(k-1) = 1/2 of its local state as parity (plus padding)
-        assert 0.5 <= parity["parity_bytes_per_rank"] / parity["local_state_bytes"] < 0.51
+        # RAID-5 in one group of 3: each rank holds 1/(k-1) = 1/2 of its protected state as parity (plus padding),
+        # and for protection one copy of that state besides: at most 1.5x its local state (64-byte chunk padding)
+        protected, local = parity["protected_state_bytes"], parity["local_state_bytes"]
+        assert 0.5 <= parity["parity_bytes_per_rank"] / protected < 0.51
+        assert parity["protection_memory_bytes"] <= 1.5 * protected + 3 * 64
+        assert parity["protection_memory_bytes"] <= 1.5 * local + 3 * 64
+        if strategy in ("zero1", "zero2"):  # the full low-precision parameters are the master partitions' all-gather
+            assert protected < local
+        assert parity["protect_interval"] == every
 
 
 @pytest.mark.timeout(600)

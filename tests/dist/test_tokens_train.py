@@ -46,9 +46,12 @@ def test_eval_loss_is_recorded_and_falls(reference):
 def test_a_rank_killed_in_an_evaluation_recovers_in_place_and_the_run_is_the_same(tmp_path, reference):
     _, losses, evals = reference
     run_dir = tmp_path / "inplace"
-    summary = faulted(run_dir, "resilience.mode=inplace", fault="kill:rank=1,step=8,phase=eval")
+    summary = faulted(run_dir, "resilience.mode=inplace", "checkpoint.every=4",
+                      fault="kill:rank=1,step=8,phase=eval")
     assert [f["step"] for f in summary["failures"]] == [8] and summary["failures"][0].get("recovery_s") is not None
     assert curves(run_dir) == (losses, evals)  # the eval at 8 was redone and recorded once
+    # the promoted shadow saves too: its rehearsal's DTensor offsets once failed DCP's plan at the first save after
+    assert (run_dir / "checkpoints" / "step_12" / "manifest.json").is_file()
 
 
 @pytest.mark.timeout(240)

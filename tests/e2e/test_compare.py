@@ -115,6 +115,8 @@ def test_compare_memory_ordering_follows_the_analytic_one_on_a_large_model(tmp_p
     (["--variant", "nocolon", "--variant", "b:"], ["--variant", "'nocolon'", "NAME:key=value"]),
     (["--strategies", "ddp,zero3", "--variant", "s:training.seed=3"], ["--variant", "'training.seed'", "shares"]),
     (["--variant", "a:strategy.name=bar", "--variant", "b:"], ["--variant a:strategy.name=bar", "strategy.name", "'zero3'"]),
+    (["--strategies", "ddp,fsdp", "--mtbf", "fast"], ["--mtbf", "'fast'", "30s"]),
+    (["--strategies", "ddp,fsdp", "--mtbf", "5s", "--mtbf-fault", "nope"], ["--mtbf-fault", "'nope'", "kill"]),
 ])
 def test_compare_rejects_bad_flags_with_one_line(tmp_path, args, names):
     p = _compare(tmp_path / "cmp", *args, timeout=60)
