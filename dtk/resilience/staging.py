@@ -46,10 +46,11 @@ class FlatState:
         if self.device is None:
             self._walk(dst, start, lambda view, part: op(part, view))
             return
-        pieces = []
+        pieces: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._walk(dst, start, lambda view, part: pieces.extend(
             (view[i:i + PINNED_PIECE], part[i:i + PINNED_PIECE]) for i in range(0, view.numel(), PINNED_PIECE)))
         events: list = [None, None]
+        assert self._ready is not None  # set with the device
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(self._ready)
             for n, (view, part) in enumerate(pieces + [(None, None)]):
