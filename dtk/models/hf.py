@@ -126,6 +126,17 @@ def _weights_in(path: str | None) -> bool:
     return path is not None and any((Path(path) / f).is_file() for f in WEIGHT_FILES)
 
 
+def hf_constructor(hf, spec: DataSpec):
+    """Builds the model from its config (model_type) in training mode, on the current default device: dtk's
+    meta-device build (dtk.models.init) gives it its weights afterwards."""
+    config = make_config(hf, spec)
+    from transformers import AutoModelForCausalLM
+
+    def construct() -> nn.Module:
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
+    return construct
+
+
 def build_hf(hf, spec: DataSpec) -> nn.Module:
     """A transformers causal LM in fp32 and training mode; the caller seeds torch (the same weights on every rank)."""
     config = make_config(hf, spec)

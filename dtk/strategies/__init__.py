@@ -54,5 +54,10 @@ even with DeepSpeed's module counter reset to 0 after the rehearsal, and ZeRO-3 
 mismatch; it builds cold on promotion."""
 
 
+META_INIT = frozenset({"fsdp", "zero3"})
+"""Strategies that build the model on meta (ZeRO-3: inside deepspeed.zero.Init) and fill only the shards a rank
+holds (BuildContext.blueprint); the others hold the whole model anyway."""
+
+
 def build_engine(name: str, ctx: BuildContext) -> Engine:
     return STRATEGIES[name][0](ctx)
