@@ -38,13 +38,16 @@ def _import_target(target: str) -> Callable:
 
 def model_blueprint(cfg, spec: DataSpec, *, seed: int) -> Blueprint | None:
     """How to build the model on meta and fill it with the seed's values (dtk.models.init), or None for a user
-    target, whose constructor may initialise its weights in ways only a full build reproduces, and for
-    model.hf.path (its weights are read from the folder)."""
+    target, whose constructor may initialise its weights in ways only a full build reproduces, and for a
+    model.hf.path whose weights are not in safetensors files (they cannot be read by slices)."""
+    weights = None
     if cfg.hf is not None:
-        if cfg.hf.path is not None:
-            return None
-        from dtk.models.hf import hf_constructor  # transformers is an optional extra
+        from dtk.models.hf import hf_constructor, pretrained_weights  # transformers is an optional extra
 
+        if cfg.hf.path is not None:
+            weights = pretrained_weights(cfg.hf)
+            if weights is None:
+                return None  # weights that cannot be read by slices (pytorch_model.bin): a full build
         construct = hf_constructor(cfg.hf, spec)
     elif cfg.target:
         return None
@@ -53,7 +56,7 @@ def model_blueprint(cfg, spec: DataSpec, *, seed: int) -> Blueprint | None:
 
         def construct() -> nn.Module:
             return build(cfg, spec)
-    return Blueprint(construct=construct, seed=seed, units=_init_groups)
+    return Blueprint(construct=construct, seed=seed, units=_init_groups, weights=weights or None)
 
 
 def _init_groups(model: nn.Module) -> list[str]:

@@ -13,13 +13,18 @@ from __future__ import annotations
 import copy
 import hashlib
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 ModuleInit = Callable[[nn.Module], None]
+
+
+class WeightSource(Protocol):
+    def load_into(self, target: nn.Module) -> list[str]:
+        """Write the source's values into the part of each tensor `target` holds; the names it had none for."""
 
 
 def module_seed(seed: int, name: str) -> int:
@@ -132,13 +137,19 @@ class Blueprint:
     units: Callable[[nn.Module], list[str]]
     """The qualified names of the groups materialised one at a time (the wrap units)."""
     dtype: torch.dtype = torch.float32
+    weights: WeightSource | None = None
+    """Pretrained weights read into the filled model, each rank only its part (dtk.models.pretrained)."""
 
     def meta(self) -> nn.Module:
         with torch.device("meta"):
             return self.construct().to(self.dtype)
 
     def fill(self, target: nn.Module, *, twin: nn.Module) -> None:
+        # the seeded init first: it gives what the files do not hold (non-persistent buffers such as rotary
+        # frequencies, a head the file leaves to its tie)
         fill(target, twin, seed=self.seed, units=self.units(twin), init=default_init(twin))
+        if self.weights is not None:
+            self.weights.load_into(target)
 
     def full(self, device: torch.device | str = "cpu") -> nn.Module:
         """The whole model on `device`, with the seed's values (what every rank of DDP holds)."""
