@@ -122,6 +122,13 @@ class TrainingConfig(Section):
     """Steps left out of throughput and step-time statistics."""
     target_accuracy: float | None = Field(None, gt=0.0, le=1.0)
     """Held-out accuracy whose first reach is reported as time_to_target_s (gcpsl measures accuracy)."""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward instead of keeping them, per wrap unit (transformer block), under every
+    strategy: full = keep only each block's input; selective = also keep matrix products and attention outputs
+    (recompute norms and activations). Same losses, less activation memory, more compute."""
+    compile: bool = False
+    """torch.compile each wrap unit's forward (inductor; on CPU it needs a C++ compiler on PATH). The first steps
+    pay the compilation."""
 
 
 class WorldConfig(Section):
@@ -249,6 +256,10 @@ def _pydantic_lines(err: ValidationError) -> list[str]:
     return lines
 
 
+COMPILED = frozenset({"ddp", "fsdp"})
+"""Strategies under which training.compile is offered (tested): their blocks' parameters are whole in forward."""
+
+
 def _semantic_lines(r: Recipe) -> list[str]:
     """Checks that span fields; each line names the field to change."""
     lines = []
@@ -266,6 +277,22 @@ def _semantic_lines(r: Recipe) -> list[str]:
             lines.append(f"model.heads: got {r.model.heads}; must divide model.width ({r.model.width})")
     elif ":" not in r.model.target:
         lines.append(f"model.target: got {r.model.target!r}; accepted: 'package.module:function'")
+    if r.training.compile and r.strategy.name not in COMPILED:
+        # DeepSpeed fetches and releases parameters in hooks on every submodule, inside the compiled block
+        lines.append(f"training.compile: not offered for strategy.name {r.strategy.name!r}; accepted strategies: "
+                     f"{', '.join(sorted(COMPILED))}")
+    elif r.training.compile:
+        from dtk.models.units import compiler_problem  # imports torch: only for a recipe that compiles
+
+        lines += [p for p in [compiler_problem()] if p]
+    if r.training.activation_checkpointing != "none" and r.strategy.name.startswith("gcpsl"):
+        lines.append(f"training.activation_checkpointing: not offered for strategy.name {r.strategy.name!r}; "
+                     "accepted strategies: ddp, fsdp, zero1, zero2, zero3")
+    elif r.training.activation_checkpointing == "selective" and r.strategy.name == "zero3":
+        # measured: the losses leave the run without checkpointing from the third step on (ZeRO-3's parameter
+        # release and the selective recompute's saved matrix products do not agree); full checkpointing matches
+        lines.append("training.activation_checkpointing: 'selective' is not offered for strategy.name 'zero3' (its "
+                     "losses drift from the run without); accepted: none, full")
     if r.data.name == "cifar10" and not r.data.path:
         lines.append("data.path: missing; data 'cifar10' needs the folder of its binary batches (cifar-10-batches-bin)")
     elif r.data.name == "cifar10" and not Path(r.data.path).is_dir():

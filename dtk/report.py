@@ -132,6 +132,10 @@ def summarize(run_dir: Path, *, wall_seconds: float, failures: list[dict], exit_
         "peak_memory_bytes": max((max(r["peak_memory_bytes"]) for r in records), default=0),
         # rank 0's, from its tensors; it holds the largest shard (FSDP2 rounds shards up on the first ranks,
         # DeepSpeed pads partitions to equal sizes)
+        "parameters": (_last_event(run_dir, "model", since=time.time() - wall_seconds - 1.0) or {}).get("parameters"),
+        # per rank, from the start of the model's build to the first step (of this attempt)
+        "build_peak_memory_bytes": next((r["build_peak_memory_bytes"] for r in reversed(records)
+                                         if "build_peak_memory_bytes" in r), None),
         "model_state_bytes": states["total"] if states else None,
         "model_state": states,
         "comm": {

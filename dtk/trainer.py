@@ -22,7 +22,7 @@ from dtk.resilience import checkpoint, inplace
 from dtk.resilience.control import Control
 from dtk.resilience.faults import CORRUPT_EXIT, Injector, checksum
 from dtk.strategies.base import logits_of
-from dtk.strategies.memory import model_state_bytes
+from dtk.strategies.memory import BuildMemory, model_state_bytes
 
 log = logging.getLogger(__name__)
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
@@ -52,6 +52,9 @@ class Trainer:
     injector: Injector
     parity: object | None = None
     """dtk.resilience.parity.ParityKeeper when sharded state is kept recoverable in place; None otherwise."""
+    build_memory: BuildMemory | None = None
+    """Started before the model was built; its peak is taken before the first step (summary.json ->
+    build_peak_memory_bytes)."""
 
     def __post_init__(self):
         self.rank, self.world = self.group.rank(), self.group.size()
@@ -67,6 +70,7 @@ class Trainer:
                                    precision=t.precision, micro_batch=t.micro_batch, rank=self.rank, world=self.world,
                                    gather=self._gather, writer=self.writer,
                                    after_first_batch=lambda step: self.injector.at(step, "eval"))
+        self.first_step, self.build_peak = 0, 0  # run() sets them
         # a fault aimed at the backward phase fires when backward reaches the model's output
         self.engine.module.register_forward_hook(self._arm_backward_fault)
 
@@ -124,7 +128,7 @@ class Trainer:
         self._verify_state(step)
         loss = self._micro_steps(step)
         self.injector.straggle(time.perf_counter() - t0)
-        rows = self._gather([loss.item(), float(peak_memory_bytes(self.device, self.base_rss))])
+        rows = self._gather([loss.item(), float(peak_memory_bytes(self.device, self.base_rss)), float(self.build_peak)])
         if Seam.failure is not None:
             self.engine.discard_step()
             return None
@@ -154,6 +158,7 @@ class Trainer:
             "generation": Seam.generation,
             "time": time.time(),
             **(self.engine.metrics() if hasattr(self.engine, "metrics") else {}),  # e.g. gcpsl's accuracy
+            **({"build_peak_memory_bytes": [int(v) for v in rows[:, 2].tolist()]} if step == self.first_step else {}),
         }
 
     def resume_records(self, step: int) -> None:
@@ -196,7 +201,8 @@ class Trainer:
     # -- the loop --
     def run(self, *, start_step: int) -> None:
         r = self.recipe
-        step = start_step
+        step = self.first_step = start_step
+        self.build_peak = self.build_memory.peak_bytes() if self.build_memory else 0
         self.last_record: dict | None = None
         Seam.stats.take()  # the engine's start-up traffic (DDP's broadcast, DeepSpeed's init) is not a step's
         if self.parity is not None and not self.parity.protected:  # (a rebuilt replacement's rows are protected)

@@ -10,6 +10,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dtk.errors import DtkError
+from dtk.models.init import Blueprint
+from dtk.models.units import prepare_units
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -20,6 +22,16 @@ class BuildContext:
     recipe: object
     group: dist.ProcessGroup
     device: torch.device
+    blueprint: Blueprint | None = None
+    """Set for the strategies that build the model on meta and fill only their shards (META_INIT); they then
+    ignore model_factory."""
+
+
+def prepare_blocks(model: nn.Module, recipe) -> nn.Module:
+    """Activation checkpointing and torch.compile of the wrap units, as the recipe asks, before any wrapping."""
+    t = recipe.training
+    prepare_units(model, names=recipe.strategy.wrap, checkpointing=t.activation_checkpointing, compile=t.compile)
+    return model
 
 
 class Engine(Protocol):

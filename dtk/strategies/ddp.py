@@ -8,7 +8,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dtk.strategies.base import (BuildContext, autocast, build_torch_optimizer, clip_and_step,
                                  load_torch_checkpoint_state, loss_fn, materialize_optimizer_state,
-                                 optimizer_tensors, state_untouched, torch_checkpoint_state)
+                                 optimizer_tensors, prepare_blocks, state_untouched,
+                                 torch_checkpoint_state)
 
 
 class DDPEngine:
@@ -16,7 +17,7 @@ class DDPEngine:
         r = ctx.recipe
         self.device, self.precision = ctx.device, r.training.precision
         self.accum, self.clip = r.training.grad_accum, r.optimizer.grad_clip
-        model = ctx.model_factory().to(ctx.device)
+        model = prepare_blocks(ctx.model_factory().to(ctx.device), r)
         self.module = DistributedDataParallel(
             model, process_group=ctx.group, bucket_cap_mb=r.strategy.bucket_mb,
             device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)

@@ -7,7 +7,8 @@ import os
 
 import torch
 
-from dtk.strategies.base import BuildContext, build_torch_optimizer, loss_fn, materialize_optimizer_state, optimizer_tensors
+from dtk.strategies.base import (BuildContext, build_torch_optimizer, loss_fn, materialize_optimizer_state,
+                                 optimizer_tensors, prepare_blocks)
 
 
 def _quiet_deepspeed() -> None:
@@ -66,7 +67,7 @@ class ZeroEngine:
             "zero_force_ds_cpu_optimizer": False,
             "steps_per_print": 1 << 30,
         }
-        model = ctx.model_factory().to(ctx.device)
+        model = prepare_blocks(_model(ctx, stage=stage, config=config), r)
         optimizer = build_torch_optimizer(model.parameters(), r.optimizer)
         if stage == 3:
             _number_modules_from_zero()
@@ -175,6 +176,22 @@ class ZeroEngine:
 
     def after_checkpoint_load(self, state: dict) -> None:
         pass  # local_state() tensors are live: DCP loaded into them in place
+
+
+def _model(ctx: BuildContext, *, stage: int, config: dict):
+    """ZeRO-3 with a blueprint builds the model inside deepspeed.zero.Init: each module's parameters are
+    partitioned as soon as the module is built, so a rank never holds the whole model; then each rank fills its
+    partitions with the values a full build gives (dtk.models.init). Otherwise the whole model, on the device."""
+    if stage != 3 or ctx.blueprint is None:
+        return ctx.model_factory().to(ctx.device)
+    import deepspeed
+
+    twin = ctx.blueprint.meta()
+    with deepspeed.zero.Init(data_parallel_group=ctx.group, config_dict_or_path=config,
+                             dtype=torch.bfloat16 if config["bf16"]["enabled"] else torch.float32):
+        model = ctx.blueprint.construct()
+    ctx.blueprint.fill(model, twin=twin)
+    return model
 
 
 def build(ctx: BuildContext, *, stage: int) -> ZeroEngine:
