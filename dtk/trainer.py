@@ -6,6 +6,7 @@ rebuilt in place with the failed rank's replacement, the state is repaired, and 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import resource
 import time
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dtk import schedule
 from dtk.comm.dispatch import step_boundary as comm_boundary
 from dtk.comm.group import Seam
 from dtk.metrics import MetricsWriter
@@ -107,6 +109,12 @@ class Trainer:
             _all_gather_single(out, mine, group=self.group)
         return out.view(self.world, len(values)).cpu()
 
+    def _set_lr(self, step: int) -> float:
+        """The step's learning rate, a function of the step alone: a resumed or recovered run sets the same."""
+        lr = schedule.lr_at(step, cfg=self.recipe.optimizer, total_steps=self.recipe.training.steps)
+        schedule.set_lr(self.engine.param_groups(), lr)
+        return lr
+
     def train_step(self, step: int) -> dict | None:
         """Run one step; returns its record, or None when a peer failed and the step was not committed."""
         t0 = time.perf_counter()
@@ -118,7 +126,9 @@ class Trainer:
         self._verify_state(step)
         loss = self._micro_steps(step)
         self.injector.straggle(time.perf_counter() - t0)
-        rows = self._gather([loss.item(), float(peak_memory_bytes(self.device, self.base_rss))])
+        share = self.engine.grad_square_share()  # None: the engine's update measures the norm
+        rows = self._gather([loss.item(), float(peak_memory_bytes(self.device, self.base_rss)),
+                             0.0 if share is None else share])
         if Seam.failure is not None:
             self.engine.discard_step()
             return None
@@ -127,6 +137,7 @@ class Trainer:
             self.engine.discard_step()  # a peer failed while the last step's parity was built: do not update
             return None
         cut = Seam.cut
+        lr = self._set_lr(step)
         self.engine.optimizer_step()
         self.injector.at(step, "commit")
         if Seam.cut != cut:
@@ -139,6 +150,8 @@ class Trainer:
         return {
             "step": step,
             "loss": float(rows[:, 0].mean()),
+            "lr": lr,
+            "grad_norm": math.sqrt(float(rows[:, 2].sum())) if share is not None else self.engine.grad_norm(),
             "step_seconds": seconds,
             "samples_per_second": self.samples_per_step / seconds,
             "tokens_per_second": self.tokens_per_step / seconds,

@@ -53,7 +53,7 @@ class ZeroEngine:
             "steps_per_print": 1 << 30,
         }
         model = ctx.model_factory().to(ctx.device)
-        optimizer = build_torch_optimizer(model.parameters(), r.optimizer)
+        optimizer = build_torch_optimizer(model, r.optimizer)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         self.module = self.engine.module
 
@@ -85,6 +85,16 @@ class ZeroEngine:
             coordinator = offload.get_param_coordinator()
             if not coordinator.is_invalid_trace():
                 coordinator._invalidate_trace()
+
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups  # DeepSpeed's ZeRO optimizer hands out its torch optimizer's groups
+
+    def grad_square_share(self) -> float | None:
+        return None  # the gradients sit in DeepSpeed's partitions; its step measures the norm
+
+    def grad_norm(self) -> float | None:
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
 
     def _flat_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         opt = self.optimizer
