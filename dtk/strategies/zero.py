@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from dtk.strategies import zero_checkpoint
 from dtk.strategies.base import BuildContext, build_torch_optimizer, loss_fn, materialize_optimizer_state, optimizer_tensors
 
 
@@ -22,7 +23,7 @@ class ZeroEngine:
         import deepspeed
 
         r = ctx.recipe
-        self.stage, self.rank = stage, ctx.group.rank()
+        self.stage, self.rank, self.world = stage, ctx.group.rank(), ctx.group.size()
         self.bf16 = r.training.precision == "bf16"
         # On CPU, DeepSpeed's comm backend JIT-builds a shared-memory all-reduce (~40 s cold; rebuilt whenever a
         # process with another ninja version touched the cache) that only its inference path uses and that would
@@ -135,11 +136,10 @@ class ZeroEngine:
                 f.grad = grad
 
     def checkpoint_state(self) -> dict:
-        # ZeRO partitions are rank-specific; each rank saves and loads its own keys (same world size to resume)
-        return {f"rank{self.rank}": {str(i): t for i, t in enumerate(self.local_state())}}
+        return zero_checkpoint.state(self)  # per-parameter slices: resumes on another rank count, or another stage
 
     def after_checkpoint_load(self, state: dict) -> None:
-        pass  # local_state() tensors are live: DCP loaded into them in place
+        zero_checkpoint.after_load(self, state)
 
 
 def build(ctx: BuildContext, *, stage: int) -> ZeroEngine:
