@@ -170,6 +170,26 @@ def datasets() -> None:
 
 
 @app.command()
+def export(
+    run_dir: Annotated[str, typer.Argument(help="A run folder (the output.dir of a dtk train).")],
+    out_dir: Annotated[str, typer.Option("--out", help="The folder to write (new or empty).")],
+    step: Annotated[Optional[int], typer.Option(min=0, help="The checkpoint of this step; default: the run's final/ "
+                                                           "model, else its newest checkpoint.")] = None,
+    format: Annotated[str, typer.Option(help="safetensors (model.safetensors), hf (a save_pretrained folder, for "
+                                             "model.hf) or torch (model.pt, a state dict).")] = "safetensors",
+) -> None:
+    """Turn a checkpoint of any strategy and rank count into one whole model, on this process (no ranks)."""
+    from pathlib import Path
+
+    from dtk import export as exporting
+
+    if format not in exporting.FORMATS:
+        raise DtkError(f"--format: got {format!r}; accepted: {', '.join(exporting.FORMATS)}")
+    r, source = exporting.export(Path(run_dir), step=step, fmt=format, out=Path(out_dir))
+    out.print(f"[green]exported[/] {source} ({r.strategy.name}) as {format} to {out_dir}", highlight=False)
+
+
+@app.command()
 def compare(
     recipe: RecipeArg,
     overrides: OverridesArg = None,

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dtk import schedule
+from dtk import export, schedule
 from dtk.comm.dispatch import step_boundary as comm_boundary
 from dtk.comm.group import Seam
 from dtk.metrics import MetricsWriter
@@ -222,4 +222,16 @@ class Trainer:
             self.parity.settle()
             if self.writer:  # what keeping parity cost this run: summary.json -> parity
                 self.writer.event({"event": "parity", **self.parity.figures()})
+        self._save_final(step)
         self.control.finish(step)
+
+    def _save_final(self, step: int) -> None:
+        r = self.recipe
+        if not r.output.save_final:
+            return
+        if r.strategy.name.startswith("gcpsl"):  # one model per cluster of clients: no one final model
+            log.info("output.save_final: %s keeps one model per cluster; no final/ written", r.strategy.name)
+            return
+        self.control.phase = "checkpoint"  # a long save is not a hang
+        export.save_final(self.engine, r=r, run_dir=self.run_dir, step=step, rank=self.rank)
+        self.control.phase = "train"

@@ -2,7 +2,8 @@
 
 DeepSpeed keeps each rank's part of the model as flat partitions whose cut points move with the world size. Here
 every parameter is saved under its own name as a 1-D tensor of its numel (`zero.model.<name>`: the working copy,
-`zero.master.<name>`: the fp32 master, `zero.<state>.<name>`: each optimizer state such as exp_avg), and each
+`zero.master.<name>`: the fp32 master, `zero.<state>.<name>`: each optimizer state such as exp_avg; buffers whole
+as `zero.buffer.<name>`), and each
 rank contributes the slice its partitions hold, as a ShardedTensor whose shards are views into DeepSpeed's live
 flat buffers. DCP then reads any slice on any rank count, and a load writes straight into the engine. The three
 stages share the layout, so a checkpoint of one stage loads into another.
@@ -133,6 +134,8 @@ def state(zero) -> dict:
         for kind in kinds:
             t = states[fp32][kind]
             out[f"{PREFIX}{kind}.{piece.name}"] = _sharded(view(t), piece, held, rank=rank, dtype=t.dtype)
+    for name, b in zero.module.named_buffers():  # replicated (BatchNorm statistics, ...): saved once, loaded by all
+        out[f"{PREFIX}buffer.{name}"] = b
     steps = [states[f]["step"] for f in master if "step" in states.get(f, {})]
     if steps:
         out[f"{PREFIX}step"] = steps[0].clone() if isinstance(steps[0], torch.Tensor) else torch.tensor(steps[0])
@@ -151,8 +154,3 @@ def after_load(zero, loaded: dict) -> None:
                 states[f]["step"].copy_(step)
             else:
                 states[f]["step"] = step.item()
-
-
-def full_model(loaded: dict, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
-    """From a checkpoint read on one process (`zero.master.<name>` as whole 1-D tensors): the model's state dict."""
-    return {name: loaded[f"{PREFIX}master.{name}"].view(shape) for name, shape in shapes.items()}
