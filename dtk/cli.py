@@ -4,6 +4,7 @@ User mistakes print one `error:` line each and exit 2; a failed run exits 1; bug
 """
 from __future__ import annotations
 
+import shutil
 import sys
 from typing import Annotated, Optional
 
@@ -15,9 +16,29 @@ from dtk import recipe as recipes
 from dtk.errors import RUN_FAILED_EXIT, USER_ERROR_EXIT, DtkError
 from dtk.sim.commands import simulate_app
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+# Help in click's plain layout, wrapped at up to 120 columns: rich's boxed tables cut long option help with an
+# ellipsis when the terminal (or a pipe, 80) is narrow, and the fault grammar was lost that way.
+HELP = {"rich_markup_mode": None, "context_settings": {"max_content_width": 120, "terminal_width": max(
+    100, shutil.get_terminal_size().columns)}}
+
+
+def _version(value: bool) -> None:
+    if value:
+        from dtk import __version__
+
+        print(f"dtk {__version__}")
+        raise typer.Exit(0)
+
+
+app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, **HELP,
                   help="dtk: one recipe, trained under DDP, FSDP or DeepSpeed ZeRO, with resilience and comm layers.")
-bench_app = typer.Typer(no_args_is_help=True, help="Measure dtk against its peers.")
+bench_app = typer.Typer(no_args_is_help=True, help="Measure dtk against its peers.", **HELP)
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Print dtk's version and exit.")] = False) -> None:
+    pass
 app.add_typer(bench_app, name="bench")
 app.add_typer(simulate_app, name="simulate")
 # wide enough for the report tables when output goes to a file or a pipe
@@ -429,7 +450,7 @@ def probe(
                  nbytes=nbytes, passes=passes, pings=pings, json_out=json_out, timeout_s=timeout)
 
 
-testbed_app = typer.Typer(no_args_is_help=True, help="An emulated multi-host network on this machine (root).")
+testbed_app = typer.Typer(no_args_is_help=True, **HELP, help="An emulated multi-host network on this machine (root).")
 app.add_typer(testbed_app, name="testbed")
 NameOpt = Annotated[str, typer.Option("--name", help="The test bed's tag (namespaces dtk<name>h<I>).")]
 

@@ -280,6 +280,11 @@ def _semantic_lines(r: Recipe) -> list[str]:
         lines.append("resilience.mode: 'checkpoint' restarts from a checkpoint, but checkpoint.every is 0; "
                      "set checkpoint.every to a number of steps >= 1")
     lines += _schedule_lines(r)
+    from dtk.loggers import missing_packages  # no torch: cheap wherever a recipe is read
+
+    for name in missing_packages(list(r.output.loggers)):
+        lines.append(f"output.loggers: {name!r} needs the {name} package, which is not installed here; "
+                     f"pip install -e \".[{name}]\", or accepted without it: jsonl, csv")
     bad = [s for s in r.comm.regroup_at if not 1 <= s < r.training.steps]
     if bad:
         lines.append(f"comm.regroup_at: got {bad}; steps must lie in 1..{r.training.steps - 1}")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from dtk import export, schedule
+from dtk import export, loggers, schedule
 from dtk.comm.dispatch import step_boundary as comm_boundary
 from dtk.comm.group import Seam
 from dtk.metrics import MetricsWriter
@@ -61,7 +61,11 @@ class Trainer:
         self.samples_per_step = getattr(self.engine, "samples_per_step", t.micro_batch * t.grad_accum * self.world)
         spec = self.dataset.spec
         self.tokens_per_step = self.samples_per_step * spec.seq_len if spec.kind == "tokens" else 0
-        self.writer = MetricsWriter(self.run_dir) if self.rank == 0 else None
+        self.writer = None
+        if self.rank == 0:
+            others = loggers.build(self.recipe.output.loggers, run_dir=self.run_dir,
+                                   config=self.recipe.model_dump(mode="json"))
+            self.writer = MetricsWriter(self.run_dir, loggers=others)
         self._sums: list[int] | None = None
         # a fault aimed at the backward phase fires when backward reaches the model's output
         self.engine.module.register_forward_hook(self._arm_backward_fault)
@@ -223,6 +227,8 @@ class Trainer:
             if self.writer:  # what keeping parity cost this run: summary.json -> parity
                 self.writer.event({"event": "parity", **self.parity.figures()})
         self._save_final(step)
+        if self.writer:
+            self.writer.close()
         self.control.finish(step)
 
     def _save_final(self, step: int) -> None:
