@@ -104,6 +104,8 @@ class WandbLogger:
 
 class MLflowLogger:
     def __init__(self, run_dir: Path, config: dict):
+        # a file: store in the run folder; MLflow 3 keeps it in maintenance mode and wants this to open one
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         from mlflow.tracking import MlflowClient
 
         self.client = MlflowClient(tracking_uri=(run_dir / "mlruns").resolve().as_uri())
