@@ -137,6 +137,30 @@ def test_a_checkpoint_resumes_on_another_rank_count(resumed, way, strategy):
 
 
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_the_export_of_a_3_rank_checkpoint_is_the_model_it_trained(resumed, strategy, tmp_path):
+    """The built-in gpt's checkpoint of step 4 on 3 ranks, exported on one process to safetensors and read back into
+    a gpt: on rank 0's batch of step 4 it gives the loss the 2-rank run resumed from that checkpoint computed."""
+    from safetensors.torch import load_model
+
+    from dtk import export, recipe
+    from dtk.data import build_dataset
+    from dtk.models import build_model
+    from dtk.strategies.base import loss_fn
+
+    r = recipe.build({}, [*OVERRIDES, f"strategy.name={strategy}"])
+    written = export.load_model(r, Path(resumed["3->2"][0][f"{strategy}/{strategy}"]["from"]))
+    export.write(written, r, tmp_path / "out", fmt="safetensors")
+    data = build_dataset(r.data, seed=0)
+    model = build_model(r.model, data.spec, seed=1)  # another seed: every weight must come from the file
+    load_model(model, str(tmp_path / "out" / "model.safetensors"))
+    x, y = data.batch(step=4, rank=0, micro=0, size=r.training.micro_batch)
+    with torch.no_grad():
+        loss = float(loss_fn(model(x), y))
+    assert loss == pytest.approx(resumed["3->2"][0][f"{strategy}/{strategy}"]["loaded"][0], rel=1e-6)
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("strategy, source", sorted(CROSS.items()))
 def test_a_checkpoint_of_another_strategy_with_the_same_state_loads(resumed, strategy, source):
     got = resumed["3->2"][0][f"cross/{strategy}"]
