@@ -82,7 +82,7 @@ def test_compare_strategies_writes_every_file_with_sane_figures(tmp_path):
         text = " ".join(text.split())  # the terminal table wraps its caption at the console width
         for name in by_name:
             assert name in text
-        assert "warm-up" in text and "model states" in text and "verdict: fastest" in text
+        assert "training.untimed_steps" in text and "model states" in text and "verdict: fastest" in text
     md = (out / "compare.md").read_text()
     assert md.count("\n| ") == 1 + len(by_name)  # header + one row per variant
     assert "16Ψ/N" in md and "3Ψ" in md
