@@ -23,7 +23,7 @@ def run(strategy: str, *, layers: int, width: int, nproc: int, device: str, extr
     out = Path(tempfile.mkdtemp(prefix=f"build-{strategy}-"))
     cmd = [sys.executable, "-m", "dtk.cli", "train", str(ROOT / "recipes" / "quickstart.yaml"),
            f"strategy.name={strategy}", f"model.layers={layers}", f"model.width={width}", "model.heads=16",
-           "data.seq_len=32", "training.micro_batch=1", "training.steps=1", "training.warmup_steps=0",
+           "data.seq_len=32", "training.micro_batch=1", "training.steps=1", "training.untimed_steps=0",
            f"world.nproc={nproc}", f"world.device={device}", f"output.dir={out}", "--no-progress", *extra]
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))

@@ -59,7 +59,7 @@ class Stages:
 def throughput(st: Stages) -> dict:
     out = {}
     for s in STRATEGIES:
-        summary = st.train(f"strategy.name={s}", "training.steps=40", "training.warmup_steps=5")
+        summary = st.train(f"strategy.name={s}", "training.steps=40", "training.untimed_steps=5")
         plain = st.sh(["torchrun", "--standalone", f"--nproc-per-node={st.nproc}", "benchmarks/plain/cuda_train.py",
                        "--strategy", s, "--steps", "40"], limit=90) if s in ("ddp", "fsdp") else None
         entry = {"dtk_tokens_per_s": summary and summary["throughput"]}

@@ -14,7 +14,7 @@ from dtk.metrics import append_event
 from dtk.models import shard_units
 from dtk.models.init import retie, ties
 from dtk.strategies.base import (BuildContext, build_torch_optimizer, clip_and_step, load_torch_checkpoint_state,
-                                 loss_fn, materialize_optimizer_state, optimizer_tensors, prepare_blocks,
+                                 loss_fn, materialize_optimizer_state, optimizer_tensors, prepare_blocks, square_sum,
                                  torch_checkpoint_state)
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ class FSDPEngine:
         if r.training.precision == "bf16":
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         self.module = _sharded_model(self, ctx, mesh=mesh, policy=policy)
-        self.optimizer = build_torch_optimizer(self.module.parameters(), r.optimizer)
+        self.optimizer = build_torch_optimizer(self.module, r.optimizer)
 
     def forward_backward(self, x, y, *, last_micro: bool) -> torch.Tensor:
         self.module.set_requires_gradient_sync(last_micro)
@@ -46,6 +46,15 @@ class FSDPEngine:
 
     def discard_step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def grad_square_share(self) -> float | None:
+        return square_sum(_local(p.grad) for p in self.module.parameters() if p.grad is not None)  # this rank's shards
+
+    def grad_norm(self) -> float | None:
+        return None
 
     def local_state(self) -> list[torch.Tensor]:
         materialize_optimizer_state(self.optimizer)

@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from dtk.strategies import zero_checkpoint
 from dtk.strategies.base import (BuildContext, build_torch_optimizer, loss_fn, materialize_optimizer_state,
                                  optimizer_tensors, prepare_blocks)
 
@@ -37,7 +38,7 @@ class ZeroEngine:
         import deepspeed
 
         r = ctx.recipe
-        self.stage, self.rank = stage, ctx.group.rank()
+        self.stage, self.rank, self.world = stage, ctx.group.rank(), ctx.group.size()
         self.bf16 = r.training.precision == "bf16"
         # On CPU, DeepSpeed's comm backend JIT-builds a shared-memory all-reduce (~40 s cold; rebuilt whenever a
         # process with another ninja version touched the cache) that only its inference path uses and that would
@@ -68,7 +69,7 @@ class ZeroEngine:
             "steps_per_print": 1 << 30,
         }
         model = prepare_blocks(_model(ctx, stage=stage, config=config), r)
-        optimizer = build_torch_optimizer(model.parameters(), r.optimizer)
+        optimizer = build_torch_optimizer(model, r.optimizer)
         if stage == 3:
             _number_modules_from_zero()
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
@@ -102,6 +103,16 @@ class ZeroEngine:
             coordinator = offload.get_param_coordinator()
             if not coordinator.is_invalid_trace():
                 coordinator._invalidate_trace()
+
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups  # DeepSpeed's ZeRO optimizer hands out its torch optimizer's groups
+
+    def grad_square_share(self) -> float | None:
+        return None  # the gradients sit in DeepSpeed's partitions; its step measures the norm
+
+    def grad_norm(self) -> float | None:
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
 
     def _flat_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         opt = self.optimizer
@@ -171,11 +182,10 @@ class ZeroEngine:
                 f.grad = grad
 
     def checkpoint_state(self) -> dict:
-        # ZeRO partitions are rank-specific; each rank saves and loads its own keys (same world size to resume)
-        return {f"rank{self.rank}": {str(i): t for i, t in enumerate(self.local_state())}}
+        return zero_checkpoint.state(self)  # per-parameter slices: resumes on another rank count, or another stage
 
     def after_checkpoint_load(self, state: dict) -> None:
-        pass  # local_state() tensors are live: DCP loaded into them in place
+        zero_checkpoint.after_load(self, state)
 
 
 def _model(ctx: BuildContext, *, stage: int, config: dict):
