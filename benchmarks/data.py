@@ -31,7 +31,7 @@ import tokenize_plain as plain  # noqa: E402
 from dtk.data.prepare import prepare  # noqa: E402
 
 MODEL = ["model.layers=2", "model.width=64", "model.heads=4", "training.micro_batch=16", "world.nproc=2",
-         "training.warmup_steps=4"]
+         "training.untimed_steps=4"]
 
 
 def env() -> dict:

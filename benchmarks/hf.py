@@ -37,7 +37,7 @@ def train(strategy: str, fields: dict, *, steps: int, warmup: int, workdir: Path
     run_dir = workdir / f"dtk-{strategy}-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "dtk.cli", "train", str(ROOT / "recipes" / "quickstart.yaml"),
            *overhead.dtk_overrides(), *hf_overrides(fields), f"strategy.name={strategy}", f"training.steps={steps}",
-           f"training.warmup_steps={warmup}", f"output.dir={run_dir}", "--no-progress", *extra]
+           f"training.untimed_steps={warmup}", f"output.dir={run_dir}", "--no-progress", *extra]
     overhead._check(subprocess.run(cmd, capture_output=True, text=True, env={**overhead.env(), **(env or {})},
                                    cwd=ROOT), f"dtk train ({strategy})")
     return run_dir

@@ -57,7 +57,7 @@ def run_failure(model: str, fault: str, mode: str, workdir: Path, strategy: str 
 def run_steady(shadows: int, steps: int, workdir: Path) -> float:
     run_dir = workdir / f"steady-{shadows}-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "dtk.cli", "train", str(ROOT / "recipes" / "quickstart.yaml"), *dtk_overrides(),
-           f"training.steps={steps}", "training.warmup_steps=5", "resilience.mode=inplace",
+           f"training.steps={steps}", "training.untimed_steps=5", "resilience.mode=inplace",
            f"resilience.shadows={shadows}", f"output.dir={run_dir}", "--no-progress"]
     _run(cmd, what=f"dtk steady shadows={shadows}")
     return json.loads((run_dir / "summary.json").read_text())["throughput"]
@@ -66,7 +66,7 @@ def run_steady(shadows: int, steps: int, workdir: Path) -> float:
 def run_parity(strategy: str, mode: str, steps: int, workdir: Path, every: str = "1") -> dict:
     run_dir = workdir / f"parity-{strategy}-{mode}-{every}-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "dtk.cli", "train", str(ROOT / "recipes" / "quickstart.yaml"), *dtk_overrides(),
-           f"strategy.name={strategy}", f"training.steps={steps}", "training.warmup_steps=5",
+           f"strategy.name={strategy}", f"training.steps={steps}", "training.untimed_steps=5",
            f"resilience.mode={mode}", f"resilience.protect_every={every}", "resilience.shadows=0",
            f"output.dir={run_dir}", "--no-progress"]
     _run(cmd, what=f"dtk parity {strategy} {mode} every {every}")

@@ -50,7 +50,7 @@ def run_dtk(strategy: str, *, steps: int, warmup: int, workdir: Path) -> dict:
     """`dtk train` on the workload; steps/s over the steps after warm-up, from its per-step records."""
     run_dir = workdir / f"dtk-{strategy}-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "dtk.cli", "train", str(ROOT / "recipes" / "quickstart.yaml"), *dtk_overrides(),
-           f"strategy.name={strategy}", f"training.steps={steps}", f"training.warmup_steps={warmup}",
+           f"strategy.name={strategy}", f"training.steps={steps}", f"training.untimed_steps={warmup}",
            f"output.dir={run_dir}", "--no-progress"]
     _check(subprocess.run(cmd, capture_output=True, text=True, env=env(), cwd=ROOT), f"dtk train ({strategy})")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]

@@ -4,6 +4,7 @@ User mistakes print one `error:` line each and exit 2; a failed run exits 1; bug
 """
 from __future__ import annotations
 
+import shutil
 import sys
 from typing import Annotated, Optional
 
@@ -15,9 +16,29 @@ from dtk import recipe as recipes
 from dtk.errors import RUN_FAILED_EXIT, USER_ERROR_EXIT, DtkError
 from dtk.sim.commands import simulate_app
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+# Help in click's plain layout, wrapped at up to 120 columns: rich's boxed tables cut long option help with an
+# ellipsis when the terminal (or a pipe, 80) is narrow, and the fault grammar was lost that way.
+HELP = {"rich_markup_mode": None, "context_settings": {"max_content_width": 120, "terminal_width": max(
+    100, shutil.get_terminal_size().columns)}}
+
+
+def _version(value: bool) -> None:
+    if value:
+        from dtk import __version__
+
+        print(f"dtk {__version__}")
+        raise typer.Exit(0)
+
+
+app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, **HELP,
                   help="dtk: one recipe, trained under DDP, FSDP or DeepSpeed ZeRO, with resilience and comm layers.")
-bench_app = typer.Typer(no_args_is_help=True, help="Measure dtk against its peers.")
+bench_app = typer.Typer(no_args_is_help=True, help="Measure dtk against its peers.", **HELP)
+
+
+@app.callback()
+def _root(version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                                help="Print dtk's version and exit.")] = False) -> None:
+    pass
 app.add_typer(bench_app, name="bench")
 app.add_typer(simulate_app, name="simulate")
 # wide enough for the report tables when output goes to a file or a pipe
@@ -228,6 +249,26 @@ def data_prepare(
                    field=field, val_share=val_share, val=list(val or []), seq_len=seq_len, num_proc=num_proc,
                    progress=progress)
     out.print(summary_line(meta, out_dir), highlight=False)
+
+
+@app.command()
+def export(
+    run_dir: Annotated[str, typer.Argument(help="A run folder (the output.dir of a dtk train).")],
+    out_dir: Annotated[str, typer.Option("--out", help="The folder to write (new or empty).")],
+    step: Annotated[Optional[int], typer.Option(min=0, help="The checkpoint of this step; default: the run's final/ "
+                                                           "model, else its newest checkpoint.")] = None,
+    format: Annotated[str, typer.Option(help="safetensors (model.safetensors), hf (a save_pretrained folder, for "
+                                             "model.hf) or torch (model.pt, a state dict).")] = "safetensors",
+) -> None:
+    """Turn a checkpoint of any strategy and rank count into one whole model, on this process (no ranks)."""
+    from pathlib import Path
+
+    from dtk import export as exporting
+
+    if format not in exporting.FORMATS:
+        raise DtkError(f"--format: got {format!r}; accepted: {', '.join(exporting.FORMATS)}")
+    r, source = exporting.export(Path(run_dir), step=step, fmt=format, out=Path(out_dir))
+    out.print(f"[green]exported[/] {source} ({r.strategy.name}) as {format} to {out_dir}", highlight=False)
 
 
 @app.command()
@@ -503,7 +544,7 @@ def probe(
                  nbytes=nbytes, passes=passes, pings=pings, json_out=json_out, timeout_s=timeout)
 
 
-testbed_app = typer.Typer(no_args_is_help=True, help="An emulated multi-host network on this machine (root).")
+testbed_app = typer.Typer(no_args_is_help=True, **HELP, help="An emulated multi-host network on this machine (root).")
 app.add_typer(testbed_app, name="testbed")
 NameOpt = Annotated[str, typer.Option("--name", help="The test bed's tag (namespaces dtk<name>h<I>).")]
 

@@ -239,7 +239,7 @@ def _record(v: Variant, *, code: int, run_dir: Path, params: int, world: int) ->
         "throughput_unit": summary.get("throughput_unit"),
         "step_time_p50": summary.get("step_time_p50"),
         "step_time_p95": summary.get("step_time_p95"),
-        "warmup_steps_excluded": summary.get("warmup_steps_excluded"),
+        "untimed_steps": summary.get("untimed_steps"),
         "peak_memory_bytes": summary.get("peak_memory_bytes"),
         "model_state_bytes": summary.get("model_state_bytes"),
         "model_state": summary.get("model_state"),
@@ -375,14 +375,14 @@ def _target(comparison: Comparison) -> str:
 
 def notes(comparison: Comparison) -> list[str]:
     vs = comparison.variants
-    warmups = sorted({v["warmup_steps_excluded"] for v in comparison.done})
+    warmups = sorted({v["untimed_steps"] for v in comparison.done})
     params = sorted({v["params"] for v in vs})
     worlds = sorted({v["world_size"] for v in vs})
     setting = sorted({f"{v['precision']} {v['optimizer']}" for v in vs})
     psi = f"Ψ = {params[0]:,} parameters" if len(params) == 1 else "Ψ per variant in compare.json"
     n = f"N = {worlds[0]} ranks" if len(worlds) == 1 else "N per variant"
     lines = [
-        f"Throughput and step times leave out each run's first {', '.join(map(str, warmups)) or 0} warm-up steps.",
+        f"Throughput and step times leave out each run's first {', '.join(map(str, warmups)) or 0} steps (training.untimed_steps).",
         "Peak memory: measured on the busiest rank (CPU: process RSS peak minus RSS before the model was built, so "
         "it also holds activations, buffers and libraries loaded later, e.g. DeepSpeed; GPU: max allocated). "
         "Model states: parameters, gradients and optimizer states; measured from the engine's own tensors on rank 0 "

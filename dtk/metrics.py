@@ -8,15 +8,25 @@ from pathlib import Path
 
 
 class MetricsWriter:
-    def __init__(self, run_dir: str | Path):
+    """metrics.jsonl, and each step's numbers to the recipe's other loggers (dtk.loggers)."""
+
+    def __init__(self, run_dir: str | Path, *, loggers: list | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.events = Path(run_dir) / "events.jsonl"
+        self.loggers = loggers or []
 
     def truncate_from(self, step: int) -> None:
         """A resumed run redoes steps >= step: drop their old records."""
         if self.path.exists():
             keep = [line for line in read_jsonl(self.path) if line.get("step", -1) < step]
             self.path.write_text("".join(json.dumps(r) + "\n" for r in keep))
+        for logger in self.loggers:
+            if hasattr(logger, "truncate_from"):
+                logger.truncate_from(step)
+
+    def close(self) -> None:
+        for logger in self.loggers:
+            logger.close()
 
     def has(self, step: int) -> bool:
         return any(r.get("step") == step for r in read_jsonl(self.path))
@@ -24,6 +34,12 @@ class MetricsWriter:
     def write(self, record: dict) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.loggers and "loss" in record:
+            from dtk.loggers import scalars_of
+
+            numbers = scalars_of(record)
+            for logger in self.loggers:
+                logger.log(record["step"], numbers)
 
     def event(self, record: dict) -> None:
         append_event(self.events.parent, record)

@@ -108,7 +108,20 @@ class OptimizerConfig(Section):
     betas: tuple[float, float] = (0.9, 0.95)
     momentum: float = Field(0.0, ge=0)
     grad_clip: float = Field(0.0, ge=0)
-    """Clip the global gradient norm to this value; 0 = no clipping."""
+    """Clip the global gradient norm to this value; 0 = no clipping. The norm (before clipping) is in every record."""
+    schedule: Literal["constant", "cosine", "linear", "wsd"] = "constant"
+    """The learning rate after warmup: constant (lr), cosine or linear decay from lr to min_lr by the last step, or
+    wsd (warmup-stable-decay: lr until the last decay_steps, then linear to min_lr). The same under every strategy."""
+    warmup_steps: int = Field(0, ge=0)
+    """Steps of linear warmup: step s (from 0) uses lr * (s+1) / (warmup_steps+1); the decay starts at lr after it."""
+    min_lr: float = Field(0.0, ge=0)
+    """The rate cosine, linear and wsd decay to (reached at the last step)."""
+    decay_steps: int | None = Field(None, ge=1)
+    """wsd: length of the final decay; default: the last 10% of training.steps."""
+    no_decay: list[str] = ["bias", "norm", "embedding"]
+    """Parameters weight_decay leaves alone (nanoGPT's and torchtitan's convention): `bias` (biases), `norm` (weights
+    of normalization layers), `embedding` (embedding tables), or a glob on parameter names (`blocks.*.qkv.weight`).
+    [] = decay every parameter."""
 
 
 class TrainingConfig(Section):
@@ -118,10 +131,18 @@ class TrainingConfig(Section):
     grad_accum: int = Field(1, ge=1)
     seed: int = Field(0, ge=0)
     precision: Literal["fp32", "bf16"] = "fp32"
-    warmup_steps: int = Field(2, ge=0)
-    """Steps left out of throughput and step-time statistics."""
+    untimed_steps: int = Field(2, ge=0)
+    """The first steps left out of throughput and step-time figures (start-up costs); they train like any other.
+    The learning rate's warmup is optimizer.warmup_steps."""
     target_accuracy: float | None = Field(None, gt=0.0, le=1.0)
     """Held-out accuracy whose first reach is reported as time_to_target_s (gcpsl measures accuracy)."""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward instead of keeping them, per wrap unit (transformer block), under every
+    strategy: full = keep only each block's input; selective = also keep matrix products and attention outputs
+    (recompute norms and activations). Same losses, less activation memory, more compute."""
+    compile: bool = False
+    """torch.compile each wrap unit's forward (inductor; on CPU it needs a C++ compiler on PATH). The first steps
+    pay the compilation."""
 
 
 class WorldConfig(Section):
@@ -151,6 +172,13 @@ class CheckpointConfig(Section):
 class OutputConfig(Section):
     dir: str | None = None
     """The run folder; default runs/<recipe name>-<time>."""
+    save_final: bool = True
+    """At the end of a run, write final/: model.safetensors (the whole model, unsharded, whatever the strategy) and
+    recipe.yaml; for model.hf also final/hf/, a save_pretrained folder (with the data's tokenizer when it has one)."""
+    loggers: list[Literal["jsonl", "tensorboard", "csv", "wandb", "mlflow"]] = ["jsonl"]
+    """Where rank 0 writes each step's record: jsonl (metrics.jsonl, always written), tensorboard (events under
+    tensorboard/), csv (metrics.csv), wandb (offline, under wandb/; extra: wandb), mlflow (a file store under
+    mlruns/; extra: mlflow). Nothing is sent over the network."""
 
 
 class ResilienceConfig(Section):
@@ -249,6 +277,10 @@ def _pydantic_lines(err: ValidationError) -> list[str]:
     return lines
 
 
+COMPILED = frozenset({"ddp", "fsdp"})
+"""Strategies under which training.compile is offered (tested): their blocks' parameters are whole in forward."""
+
+
 def _semantic_lines(r: Recipe) -> list[str]:
     """Checks that span fields; each line names the field to change."""
     lines = []
@@ -266,6 +298,22 @@ def _semantic_lines(r: Recipe) -> list[str]:
             lines.append(f"model.heads: got {r.model.heads}; must divide model.width ({r.model.width})")
     elif ":" not in r.model.target:
         lines.append(f"model.target: got {r.model.target!r}; accepted: 'package.module:function'")
+    if r.training.compile and r.strategy.name not in COMPILED:
+        # DeepSpeed fetches and releases parameters in hooks on every submodule, inside the compiled block
+        lines.append(f"training.compile: not offered for strategy.name {r.strategy.name!r}; accepted strategies: "
+                     f"{', '.join(sorted(COMPILED))}")
+    elif r.training.compile:
+        from dtk.models.units import compiler_problem  # imports torch: only for a recipe that compiles
+
+        lines += [p for p in [compiler_problem()] if p]
+    if r.training.activation_checkpointing != "none" and r.strategy.name.startswith("gcpsl"):
+        lines.append(f"training.activation_checkpointing: not offered for strategy.name {r.strategy.name!r}; "
+                     "accepted strategies: ddp, fsdp, zero1, zero2, zero3")
+    elif r.training.activation_checkpointing == "selective" and r.strategy.name == "zero3":
+        # measured: the losses leave the run without checkpointing from the third step on (ZeRO-3's parameter
+        # release and the selective recompute's saved matrix products do not agree); full checkpointing matches
+        lines.append("training.activation_checkpointing: 'selective' is not offered for strategy.name 'zero3' (its "
+                     "losses drift from the run without); accepted: none, full")
     if r.data.name == "cifar10" and not r.data.path:
         lines.append("data.path: missing; data 'cifar10' needs the folder of its binary batches (cifar-10-batches-bin)")
     elif r.data.name == "cifar10" and not Path(r.data.path).is_dir():
@@ -291,9 +339,30 @@ def _semantic_lines(r: Recipe) -> list[str]:
     if r.resilience.mode == "checkpoint" and not r.checkpoint.every:
         lines.append("resilience.mode: 'checkpoint' restarts from a checkpoint, but checkpoint.every is 0; "
                      "set checkpoint.every to a number of steps >= 1")
+    lines += _schedule_lines(r)
+    from dtk.loggers import missing_packages  # no torch: cheap wherever a recipe is read
+
+    for name in missing_packages(list(r.output.loggers)):
+        lines.append(f"output.loggers: {name!r} needs the {name} package, which is not installed here; "
+                     f"pip install -e \".[{name}]\", or accepted without it: jsonl, csv")
     bad = [s for s in r.comm.regroup_at if not 1 <= s < r.training.steps]
     if bad:
         lines.append(f"comm.regroup_at: got {bad}; steps must lie in 1..{r.training.steps - 1}")
+    return lines
+
+
+def _schedule_lines(r: Recipe) -> list[str]:
+    o, steps, lines = r.optimizer, r.training.steps, []
+    if o.min_lr > o.lr:
+        lines.append(f"optimizer.min_lr: got {o.min_lr}; must be <= optimizer.lr ({o.lr})")
+    if o.warmup_steps >= steps:
+        lines.append(f"optimizer.warmup_steps: got {o.warmup_steps}; must be < training.steps ({steps})")
+    if o.decay_steps is not None and o.schedule != "wsd":
+        lines.append(f"optimizer.decay_steps: got {o.decay_steps}; only schedule 'wsd' uses it (schedule is "
+                     f"{o.schedule!r}); accepted: null, or optimizer.schedule=wsd")
+    elif o.schedule == "wsd" and o.warmup_steps + (o.decay_steps or 0) > steps:
+        lines.append(f"optimizer.decay_steps: got {o.decay_steps}; warmup_steps + decay_steps must be <= "
+                     f"training.steps ({steps})")
     return lines
 
 
@@ -440,10 +509,18 @@ def read_file(path: str | Path) -> dict:
     return data
 
 
+RENAMED = {("training", "warmup_steps"): "renamed: the learning rate's warmup is optimizer.warmup_steps; the "
+                                        "steps left out of timing figures are training.untimed_steps"}
+
+
 def build(tree: dict, overrides: list[str] = ()) -> Recipe:
     tree = copy.deepcopy(tree)
     for path, value in parse_overrides(list(overrides)):
         _apply(tree, path, value, ".".join(path))
+    renamed = [f"{'.'.join(key)}: {why}" for key, why in RENAMED.items()
+               if isinstance(tree.get(key[0]), dict) and key[1] in tree[key[0]]]
+    if renamed:
+        raise DtkError(*renamed)
     try:
         recipe = Recipe.model_validate(tree)
     except ValidationError as e:

@@ -71,7 +71,8 @@ class ProgressLine:
                 self._eval = record
         r = self._last
         if r:
-            desc = (f"loss {r['loss']:.4f} | {_rate(r)} | {r['step_seconds'] * 1000:.0f} ms/step | "
+            lr = f" | lr {r['lr']:.2e}" if "lr" in r else ""
+            desc = (f"loss {r['loss']:.4f}{lr} | {_rate(r)} | {r['step_seconds'] * 1000:.0f} ms/step | "
                     f"peak {human_bytes(max(r['peak_memory_bytes']))}")
             if self._eval:
                 desc += f" | eval {self._eval['eval_loss']:.4f}"
@@ -92,11 +93,11 @@ def summarize(run_dir: Path, *, wall_seconds: float, failures: list[dict], exit_
     import yaml
 
     recipe = yaml.safe_load(recipe_text) or {}
-    warmup = recipe.get("training", {}).get("warmup_steps", 0)
+    untimed = recipe.get("training", {}).get("untimed_steps", 0)
     world = recipe.get("world", {}).get("nproc", 1)
     lines = read_jsonl(Path(run_dir) / "metrics.jsonl")
     records = [r for r in lines if "loss" in r]
-    timed = [r for r in records if r["step"] >= warmup] or records
+    timed = [r for r in records if r["step"] >= untimed] or records
     times = [r["step_seconds"] for r in timed]
     after_first = [r for r in records if r["step"] > (records[0]["step"] if records else 0)] or records
     kinds = sorted({k for r in after_first for k in r["comm"]["by_kind"]})
@@ -124,7 +125,7 @@ def summarize(run_dir: Path, *, wall_seconds: float, failures: list[dict], exit_
         "final_loss": records[-1]["loss"] if records else None,
         "losses": [r["loss"] for r in records],
         "wall_seconds": wall_seconds,
-        "warmup_steps_excluded": min(warmup, len(records)),
+        "untimed_steps": min(untimed, len(records)),
         "throughput": statistics.fmean(r[rate_key] for r in timed) if timed else 0.0,
         "throughput_unit": rate_key.replace("_per_second", "/s"),
         "step_time_p50": percentile(times, 0.5),
@@ -132,6 +133,10 @@ def summarize(run_dir: Path, *, wall_seconds: float, failures: list[dict], exit_
         "peak_memory_bytes": max((max(r["peak_memory_bytes"]) for r in records), default=0),
         # rank 0's, from its tensors; it holds the largest shard (FSDP2 rounds shards up on the first ranks,
         # DeepSpeed pads partitions to equal sizes)
+        "parameters": (_last_event(run_dir, "model", since=time.time() - wall_seconds - 1.0) or {}).get("parameters"),
+        # per rank, from the start of the model's build to the first step (of this attempt)
+        "build_peak_memory_bytes": next((r["build_peak_memory_bytes"] for r in reversed(records)
+                                         if "build_peak_memory_bytes" in r), None),
         "model_state_bytes": states["total"] if states else None,
         "model_state": states,
         "comm": {

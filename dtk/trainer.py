@@ -6,6 +6,7 @@ rebuilt in place with the failed rank's replacement, the state is repaired, and 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import resource
 import time
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from dtk import export, loggers, schedule
 from dtk.comm.dispatch import step_boundary as comm_boundary
 from dtk.comm.group import Seam
 from dtk.data.spec import Dataset
@@ -26,7 +28,7 @@ from dtk.resilience.control import Control
 from dtk.resilience.faults import CORRUPT_EXIT, Injector, checksum
 from dtk.resilience.parity import ParityKeeper
 from dtk.strategies.base import Engine, logits_of
-from dtk.strategies.memory import model_state_bytes
+from dtk.strategies.memory import BuildMemory, model_state_bytes
 
 log = logging.getLogger(__name__)
 # torch 2.13 renamed all_gather_into_tensor (now deprecated) to all_gather_single
@@ -56,6 +58,9 @@ class Trainer:
     injector: Injector
     parity: ParityKeeper | None = None
     """dtk.resilience.parity.ParityKeeper when sharded state is kept recoverable in place; None otherwise."""
+    build_memory: BuildMemory | None = None
+    """Started before the model was built; its peak is taken before the first step (summary.json ->
+    build_peak_memory_bytes)."""
 
     def __post_init__(self):
         self.rank, self.world = self.group.rank(), self.group.size()
@@ -64,13 +69,18 @@ class Trainer:
         self.samples_per_step = getattr(self.engine, "samples_per_step", t.micro_batch * t.grad_accum * self.world)
         spec = self.dataset.spec
         self.tokens_per_step = self.samples_per_step * spec.seq_len if spec.kind == "tokens" else 0
-        self.writer = MetricsWriter(self.run_dir) if self.rank == 0 else None
+        self.writer = None
+        if self.rank == 0:
+            others = loggers.build(self.recipe.output.loggers, run_dir=self.run_dir,
+                                   config=self.recipe.model_dump(mode="json"))
+            self.writer = MetricsWriter(self.run_dir, loggers=others)
         self._sums: list[int] | None = None
         self.evaluator = Evaluator(every=self.recipe.eval.every, batches=self.recipe.eval.batches, steps=t.steps,
                                    dataset=self.dataset, module=self.engine.module, device=self.device,
                                    precision=t.precision, micro_batch=t.micro_batch, rank=self.rank, world=self.world,
                                    gather=self._gather, writer=self.writer,
                                    after_first_batch=lambda step: self.injector.at(step, "eval"))
+        self.first_step, self.build_peak = 0, 0  # run() sets them
         # a fault aimed at the backward phase fires when backward reaches the model's output
         self.engine.module.register_forward_hook(self._arm_backward_fault)
 
@@ -117,6 +127,12 @@ class Trainer:
             _all_gather_single(out, mine, group=self.group)
         return out.view(self.world, len(values)).cpu()
 
+    def _set_lr(self, step: int) -> float:
+        """The step's learning rate, a function of the step alone: a resumed or recovered run sets the same."""
+        lr = schedule.lr_at(step, cfg=self.recipe.optimizer, total_steps=self.recipe.training.steps)
+        schedule.set_lr(self.engine.param_groups(), lr)
+        return lr
+
     def train_step(self, step: int) -> dict | None:
         """Run one step; returns its record, or None when a peer failed and the step was not committed."""
         t0 = time.perf_counter()
@@ -128,7 +144,9 @@ class Trainer:
         self._verify_state(step)
         loss = self._micro_steps(step)
         self.injector.straggle(time.perf_counter() - t0)
-        rows = self._gather([loss.item(), float(peak_memory_bytes(self.device, self.base_rss))])
+        share = self.engine.grad_square_share()  # None: the engine's update measures the norm
+        rows = self._gather([loss.item(), float(peak_memory_bytes(self.device, self.base_rss)), float(self.build_peak),
+                             0.0 if share is None else share])
         if Seam.failure is not None:
             self.engine.discard_step()
             return None
@@ -137,6 +155,7 @@ class Trainer:
             self.engine.discard_step()  # a peer failed while the last step's parity was built: do not update
             return None
         cut = Seam.cut
+        lr = self._set_lr(step)
         self.engine.optimizer_step()
         self.injector.at(step, "commit")
         if Seam.cut != cut:
@@ -149,6 +168,8 @@ class Trainer:
         return {
             "step": step,
             "loss": float(rows[:, 0].mean()),
+            "lr": lr,
+            "grad_norm": math.sqrt(float(rows[:, 3].sum())) if share is not None else self.engine.grad_norm(),
             "step_seconds": seconds,
             "samples_per_second": self.samples_per_step / seconds,
             "tokens_per_second": self.tokens_per_step / seconds,
@@ -158,6 +179,7 @@ class Trainer:
             "generation": Seam.generation,
             "time": time.time(),
             **(self.engine.metrics() if hasattr(self.engine, "metrics") else {}),  # e.g. gcpsl's accuracy
+            **({"build_peak_memory_bytes": [int(v) for v in rows[:, 2].tolist()]} if step == self.first_step else {}),
         }
 
     def resume_records(self, step: int) -> None:
@@ -200,7 +222,8 @@ class Trainer:
     # -- the loop --
     def run(self, *, start_step: int) -> None:
         r = self.recipe
-        step = start_step
+        step = self.first_step = start_step
+        self.build_peak = self.build_memory.peak_bytes() if self.build_memory else 0
         self.last_record: dict | None = None
         Seam.stats.take()  # the engine's start-up traffic (DDP's broadcast, DeepSpeed's init) is not a step's
         if self.parity is not None and not self.parity.protected:  # (a rebuilt replacement's rows are protected)
@@ -252,4 +275,18 @@ class Trainer:
             self.parity.settle()
             if self.writer:  # what keeping parity cost this run: summary.json -> parity
                 self.writer.event({"event": "parity", **self.parity.figures()})
+        self._save_final(step)
+        if self.writer:
+            self.writer.close()
         self.control.finish(step)
+
+    def _save_final(self, step: int) -> None:
+        r = self.recipe
+        if not r.output.save_final:
+            return
+        if r.strategy.name.startswith("gcpsl"):  # one model per cluster of clients: no one final model
+            log.info("output.save_final: %s keeps one model per cluster; no final/ written", r.strategy.name)
+            return
+        self.control.phase = "checkpoint"  # a long save is not a hang
+        export.save_final(self.engine, r=r, run_dir=self.run_dir, step=step, rank=self.rank)
+        self.control.phase = "train"

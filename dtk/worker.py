@@ -91,7 +91,8 @@ def _rehearse(recipe, ctx, group, *, model, rank: int, warm) -> None:
     Seam.assume_rank(rank, world=group.size())
     with Seam.uncounted():
         engine = build_engine(recipe.strategy.name, BuildContext(model_factory=lambda: model, recipe=recipe,
-                                                                 group=group, device=ctx.device))
+                                                                 group=group, device=ctx.device,
+                                                                 blueprint=ctx.blueprint))
         engine.match_running_layout(*warm)
         # and runs a forward and backward (on the local group its collectives complete at once): the process's
         # first pass pays for autograd's and the kernels' lazy set-up, which the promoted engine's first step would
@@ -107,6 +108,36 @@ def _rehearse(recipe, ctx, group, *, model, rank: int, warm) -> None:
     _clear_sharding_prop_cache()
     logging.getLogger(__name__).info("rehearsed a %s engine for rank %d in %.2fs", recipe.strategy.name, rank,
                                      time.time() - t0)
+
+
+def _build_context(recipe, spec, *, group, device):
+    """The strategy's BuildContext, and the whole model when the strategy holds one (built before a shadow knows
+    its rank: the model is the same for every rank). Sharded strategies get the blueprint instead and never hold
+    the whole model (dtk.models.init)."""
+    from dtk.models import build_model, model_blueprint
+    from dtk.strategies import META_INIT, BuildContext
+
+    seed = recipe.training.seed
+    blueprint = model_blueprint(recipe.model, spec, seed=seed) if recipe.strategy.name in META_INIT else None
+    prebuilt = [] if blueprint is not None else [build_model(recipe.model, spec, seed=seed)]
+
+    def model_factory():
+        return prebuilt.pop() if prebuilt else build_model(recipe.model, spec, seed=seed)
+
+    ctx = BuildContext(model_factory=model_factory, recipe=recipe, group=group, device=device, blueprint=blueprint)
+    return ctx, prebuilt
+
+
+def _parameter_count(recipe, spec, ctx) -> int:
+    """The model's parameters (the whole model's, not this rank's shard), counted on a meta build."""
+    from dtk.models import model_blueprint
+
+    blueprint = ctx.blueprint or model_blueprint(recipe.model, spec, seed=recipe.training.seed)
+    if blueprint is None:
+        from dtk.models import build_model
+
+        return sum(p.numel() for p in build_model(recipe.model, spec, seed=recipe.training.seed).parameters())
+    return sum(p.numel() for p in blueprint.meta().parameters())
 
 
 def run_rank() -> None:
@@ -125,12 +156,13 @@ def run_rank() -> None:
 
     from dtk.comm.group import Seam, register
     from dtk.data import build_dataset
-    from dtk.models import build_model
+    from dtk.metrics import append_event
     from dtk.resilience import checkpoint, inplace, shadow
     from dtk.resilience import protocol as keys
     from dtk.resilience.control import Control, connect
     from dtk.resilience.faults import Fault, Injector
-    from dtk.strategies import RANK_AGNOSTIC, REHEARSABLE, BuildContext, build_engine
+    from dtk.strategies import RANK_AGNOSTIC, REHEARSABLE, build_engine
+    from dtk.strategies.memory import BuildMemory
     from dtk.trainer import Trainer
 
     if shadow_id is not None and recipe.strategy.name.startswith("zero"):
@@ -153,14 +185,10 @@ def run_rank() -> None:
     timeline["group_at"] = time.time()
     base_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
-    dataset = build_dataset(recipe.data, seed=recipe.training.seed, world=world, grad_accum=recipe.training.grad_accum)
-    model = build_model(recipe.model, dataset.spec, seed=recipe.training.seed)
-    prebuilt = [model]  # built before a shadow knows its rank: the model is the same for every rank
-
-    def model_factory():
-        return prebuilt.pop() if prebuilt else build_model(recipe.model, dataset.spec, seed=recipe.training.seed)
-
-    ctx = BuildContext(model_factory=model_factory, recipe=recipe, group=group, device=device)
+    build_memory = BuildMemory.start(device)
+    dataset = build_dataset(recipe.data, seed=recipe.training.seed, world=world,
+                            grad_accum=recipe.training.grad_accum)
+    ctx, prebuilt = _build_context(recipe, dataset.spec, group=group, device=device)
     engine = None
     warm = None
     if join is not None or shadow_id is not None:
@@ -174,7 +202,7 @@ def run_rank() -> None:
             with Seam.uncounted():
                 engine.match_running_layout(*warm)
         elif recipe.strategy.name in REHEARSABLE:
-            _rehearse(recipe, ctx, group, model=prebuilt[0], rank=rank, warm=warm)
+            _rehearse(recipe, ctx, group, model=prebuilt[0] if prebuilt else None, rank=rank, warm=warm)
         promotion = shadow.wait_for_promotion(store, attempt=attempt, shadow_id=shadow_id, ready={
             "pid": os.getpid(), "engine_built": engine is not None, "ready_at": time.time(),
             "rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024})
@@ -198,6 +226,8 @@ def run_rank() -> None:
                               rebuild=getattr(engine, "rebuild_replicated", None), local_state=engine.local_state,
                               resilience=recipe.resilience, nproc_per_node=recipe.world.nproc)
     timeline["engine_at"] = time.time()
+    if rank == 0:  # summary.json -> parameters
+        append_event(run_dir, {"event": "model", "parameters": _parameter_count(recipe, dataset.spec, ctx)})
     control = Control(address=os.environ["DTK_STORE"], rank=rank, attempt=attempt)
     injector = Injector(rank=rank, store=control.run_store, engine=engine)
     for spec in control.initial_faults():
@@ -205,7 +235,8 @@ def run_rank() -> None:
     control.on_faults = lambda specs: _add_faults(injector, specs)
     control.start()
     trainer = Trainer(recipe=recipe, engine=engine, dataset=dataset, group=group, control=control,
-                      device=device, base_rss=base_rss, run_dir=run_dir, injector=injector, parity=parity)
+                      device=device, base_rss=base_rss, run_dir=run_dir, injector=injector, parity=parity,
+                      build_memory=build_memory)
 
     start = 0
     if join is not None:

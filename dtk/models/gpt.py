@@ -35,10 +35,11 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList([Block(width, heads, dropout) for _ in range(layers)])
         self.ln = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab_size, bias=False)
-        self.apply(self._init)
+        self.apply(self.init_module)
 
     @staticmethod
-    def _init(m: nn.Module) -> None:
+    def init_module(m: nn.Module) -> None:
+        """nanoGPT's init of one module (dtk.models.init calls it module by module on meta-built models)."""
         if isinstance(m, (nn.Linear, nn.Embedding)):
             nn.init.normal_(m.weight, std=0.02)
         if isinstance(m, nn.Linear) and m.bias is not None:

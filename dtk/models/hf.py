@@ -126,6 +126,34 @@ def _weights_in(path: str | None) -> bool:
     return path is not None and any((Path(path) / f).is_file() for f in WEIGHT_FILES)
 
 
+def hf_constructor(hf, spec: DataSpec):
+    """Builds the model from its config (model_type) in training mode, on the current default device: dtk's
+    meta-device build (dtk.models.init) gives it its weights afterwards."""
+    config = make_config(hf, spec)
+    from transformers import AutoModelForCausalLM
+
+    def construct() -> nn.Module:
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32).train()
+    return construct
+
+
+def pretrained_weights(hf):
+    """The reader of model.hf.path's safetensors weights (dtk.models.pretrained); False when the folder holds no
+    weights (a fresh init from its config), None when they are not safetensors."""
+    from dtk.models.pretrained import SliceReader, safetensors_files
+
+    files = safetensors_files(hf.path)
+    if files is None:
+        return None if _weights_in(hf.path) else False
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(hf.path, local_files_only=True)
+    from transformers import AutoModelForCausalLM
+
+    prefix = getattr(AutoModelForCausalLM._model_mapping[type(config)], "base_model_prefix", "")
+    return SliceReader(files=files, prefix=prefix)
+
+
 def build_hf(hf, spec: DataSpec) -> nn.Module:
     """A transformers causal LM in fp32 and training mode; the caller seeds torch (the same weights on every rank)."""
     config = make_config(hf, spec)

@@ -12,7 +12,7 @@ from rich.console import Console
 
 from dtk.errors import DtkError
 
-simulate_app = typer.Typer(no_args_is_help=True, help="Model clusters far larger than this machine: failures, congestion.")
+simulate_app = typer.Typer(no_args_is_help=True, rich_markup_mode=None, context_settings={"max_content_width": 120}, help="Model clusters far larger than this machine: failures, congestion.")
 out = Console(width=None if sys.stdout.isatty() else 140)
 
 

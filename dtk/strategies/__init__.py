@@ -52,5 +52,10 @@ REHEARSABLE = frozenset({"fsdp", "zero1", "zero2", "zero3"})
 module counter, which outlived the rehearsal's engine, was reset at every build: dtk.strategies.zero.)"""
 
 
+META_INIT = frozenset({"fsdp", "zero3"})
+"""Strategies that build the model on meta (ZeRO-3: inside deepspeed.zero.Init) and fill only the shards a rank
+holds (BuildContext.blueprint); the others hold the whole model anyway."""
+
+
 def build_engine(name: str, ctx: BuildContext) -> Engine:
     return STRATEGIES[name][0](ctx)

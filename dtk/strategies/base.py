@@ -10,7 +10,10 @@ import torch.distributed as dist
 from torch import nn
 
 from dtk.errors import DtkError
+from dtk.models.init import Blueprint
+from dtk.models.units import prepare_units
 from dtk.recipe import Recipe
+from dtk.strategies.param_groups import param_groups
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -21,6 +24,16 @@ class BuildContext:
     recipe: Recipe
     group: dist.ProcessGroup
     device: torch.device
+    blueprint: Blueprint | None = None
+    """Set for the strategies that build the model on meta and fill only their shards (META_INIT); they then
+    ignore model_factory."""
+
+
+def prepare_blocks(model: nn.Module, recipe) -> nn.Module:
+    """Activation checkpointing and torch.compile of the wrap units, as the recipe asks, before any wrapping."""
+    t = recipe.training
+    prepare_units(model, names=recipe.strategy.wrap, checkpointing=t.activation_checkpointing, compile=t.compile)
+    return model
 
 
 class Engine(Protocol):
@@ -36,6 +49,18 @@ class Engine(Protocol):
 
     def discard_step(self) -> None:
         """Drop this step's gradients without updating (its collectives failed)."""
+
+    def param_groups(self) -> list[dict]:
+        """The optimizer's parameter groups; the trainer sets each one's "lr" before every update (dtk.schedule)."""
+
+    def grad_square_share(self) -> float | None:
+        """After the last micro-step, before the update: this rank's part of the squared global gradient norm (the
+        trainer sums the ranks' parts in its gather of small numbers, so no collective is added to the update); None
+        when the engine measures the norm inside its own update (grad_norm)."""
+
+    def grad_norm(self) -> float | None:
+        """After the update: the global gradient norm (before clipping) the update measured; None when
+        grad_square_share gave it."""
 
     def local_state(self) -> list[torch.Tensor]:
         """The ordered tensors that make this rank this rank: parameters (or shards), optimizer state, counters.
@@ -77,6 +102,10 @@ def loss_fn(output, y: torch.Tensor) -> torch.Tensor:
 
 
 def build_torch_optimizer(params, cfg) -> torch.optim.Optimizer:
+    """`params`: a model (grouped by dtk.strategies.param_groups: no decay on biases, norms, embeddings) or a list of
+    parameters (one group)."""
+    if isinstance(params, nn.Module):
+        params = param_groups(params, cfg)
     if cfg.name == "sgd":
         return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
     # foreach=False: the same per-parameter math under every strategy (DeepSpeed steps one flat tensor)
@@ -111,6 +140,15 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer, params) -> list[torch.Te
             if isinstance(t, torch.Tensor):
                 out.append(t)
     return out
+
+
+def square_sum(tensors) -> float:
+    """The sum of the squared entries of `tensors` (None entries skipped), in float64."""
+    total = torch.zeros((), dtype=torch.float64)
+    for t in tensors:
+        if t is not None:
+            total += t.detach().double().pow(2).sum().cpu()
+    return float(total)
 
 
 def clip_and_step(module: nn.Module, optimizer: torch.optim.Optimizer, clip: float) -> None:

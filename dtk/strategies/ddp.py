@@ -8,19 +8,20 @@ from torch.nn.parallel import DistributedDataParallel
 
 from dtk.strategies.base import (BuildContext, autocast, build_torch_optimizer, clip_and_step,
                                  load_torch_checkpoint_state, loss_fn, materialize_optimizer_state,
-                                 optimizer_tensors, state_untouched, torch_checkpoint_state)
+                                 optimizer_tensors, prepare_blocks, square_sum, state_untouched,
+                                 torch_checkpoint_state)
 
 
 class DDPEngine:
     def __init__(self, ctx: BuildContext):
         r = ctx.recipe
-        self.device, self.precision = ctx.device, r.training.precision
+        self.device, self.precision, self.rank = ctx.device, r.training.precision, ctx.group.rank()
         self.accum, self.clip = r.training.grad_accum, r.optimizer.grad_clip
-        model = ctx.model_factory().to(ctx.device)
+        model = prepare_blocks(ctx.model_factory().to(ctx.device), r)
         self.module = DistributedDataParallel(
             model, process_group=ctx.group, bucket_cap_mb=r.strategy.bucket_mb,
             device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
-        self.optimizer = build_torch_optimizer(self.module.parameters(), r.optimizer)
+        self.optimizer = build_torch_optimizer(model, r.optimizer)
 
     def forward_backward(self, x, y, *, last_micro: bool) -> torch.Tensor:
         sync = contextlib.nullcontext() if last_micro else self.module.no_sync()
@@ -36,6 +37,16 @@ class DDPEngine:
 
     def discard_step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def grad_square_share(self) -> float | None:
+        # every rank holds the same reduced gradients: rank 0 gives the whole sum, the others nothing
+        return square_sum(p.grad for p in self.module.parameters()) if self.rank == 0 else 0.0
+
+    def grad_norm(self) -> float | None:
+        return None
 
     def local_state(self) -> list[torch.Tensor]:
         materialize_optimizer_state(self.optimizer)

@@ -2,6 +2,7 @@
 `strategy.reshard_after_forward: false` keeps parameters gathered between forward and backward (ZeRO-2 like)."""
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
@@ -11,8 +12,10 @@ from torch.distributed.tensor import DTensor
 
 from dtk.metrics import append_event
 from dtk.models import shard_units
+from dtk.models.init import retie, ties
 from dtk.strategies.base import (BuildContext, build_torch_optimizer, clip_and_step, load_torch_checkpoint_state,
-                                 loss_fn, materialize_optimizer_state, optimizer_tensors, torch_checkpoint_state)
+                                 loss_fn, materialize_optimizer_state, optimizer_tensors, prepare_blocks, square_sum,
+                                 torch_checkpoint_state)
 
 log = logging.getLogger(__name__)
 
@@ -29,17 +32,8 @@ class FSDPEngine:
         policy = MixedPrecisionPolicy()
         if r.training.precision == "bf16":
             policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        model = ctx.model_factory().to(ctx.device)
-        reshard = r.strategy.reshard_after_forward
-        self.wrap_units = units = shard_units(model, names=r.strategy.wrap)
-        for unit in units.modules:
-            fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-        if ctx.group.rank() == 0:
-            log.info("fsdp wrap units: %s", units.describe())
-            if r.output.dir:  # the run folder; report.py puts the last such event in summary.json
-                append_event(r.output.dir, {"event": "fsdp_wrap_units", **units.summary()})
-        self.module = fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
-        self.optimizer = build_torch_optimizer(self.module.parameters(), r.optimizer)
+        self.module = _sharded_model(self, ctx, mesh=mesh, policy=policy)
+        self.optimizer = build_torch_optimizer(self.module, r.optimizer)
 
     def forward_backward(self, x, y, *, last_micro: bool) -> torch.Tensor:
         self.module.set_requires_gradient_sync(last_micro)
@@ -52,6 +46,15 @@ class FSDPEngine:
 
     def discard_step(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def grad_square_share(self) -> float | None:
+        return square_sum(_local(p.grad) for p in self.module.parameters() if p.grad is not None)  # this rank's shards
+
+    def grad_norm(self) -> float | None:
+        return None
 
     def local_state(self) -> list[torch.Tensor]:
         materialize_optimizer_state(self.optimizer)
@@ -66,6 +69,34 @@ class FSDPEngine:
 
     def after_checkpoint_load(self, state: dict) -> None:
         load_torch_checkpoint_state(self.module, self.optimizer, state)
+
+
+def _sharded_model(engine: FSDPEngine, ctx: BuildContext, *, mesh: DeviceMesh, policy: MixedPrecisionPolicy):
+    """fully_shard each wrap unit, then the root. With a blueprint the model is built on meta and sharded there;
+    then each rank allocates only its shards (to_empty) and fills them with the values a full build gives: a rank
+    never holds the whole model. Without one (a user target), the whole model is built first, as before."""
+    r = ctx.recipe
+    twin = None
+    if ctx.blueprint is not None:
+        model = ctx.blueprint.meta()
+        twin, tied = copy.deepcopy(model), ties(model)
+    else:
+        model = ctx.model_factory().to(ctx.device)
+    prepare_blocks(model, r)
+    reshard = r.strategy.reshard_after_forward
+    engine.wrap_units = units = shard_units(model, names=r.strategy.wrap)
+    for unit in units.modules:
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    if ctx.group.rank() == 0:
+        log.info("fsdp wrap units: %s", units.describe())
+        if r.output.dir:  # the run folder; report.py puts the last such event in summary.json
+            append_event(r.output.dir, {"event": "fsdp_wrap_units", **units.summary()})
+    model = fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    if twin is not None:
+        model.to_empty(device=ctx.device)
+        retie(model, tied)
+        ctx.blueprint.fill(model, twin=twin)
+    return model
 
 
 def build(ctx: BuildContext) -> FSDPEngine:

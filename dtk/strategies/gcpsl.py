@@ -155,6 +155,15 @@ class GCPSLEngine:
         for w in self.workloads.values():
             w.optimizer.zero_grad(set_to_none=True)
 
+    def param_groups(self) -> list[dict]:
+        return [g for w in self.workloads.values() for g in w.optimizer.param_groups]
+
+    def grad_square_share(self) -> float | None:
+        return None
+
+    def grad_norm(self) -> float | None:
+        return None  # clusters train separate copies: no one global gradient
+
     def local_state(self) -> list[torch.Tensor]:
         out = []
         for w in self.workloads.values():

@@ -2,7 +2,9 @@
 (the ZeRO paper's three terms; activations and buffers apart), each storage counted once, padding included."""
 from __future__ import annotations
 
+import resource
 import weakref
+from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -80,3 +82,43 @@ def model_state_bytes(engine) -> dict | None:
 
 
 watch_gradients()
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def _rss_peak_bytes() -> int:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+@dataclass(kw_only=True)
+class BuildMemory:
+    """What building the model and the engine cost a rank: RSS growth on CPU (the resident peak is reset when the
+    build starts, so a higher peak of the imports before does not hide it), allocated bytes on CUDA."""
+
+    device: torch.device
+    start_bytes: int
+    peak_reset: bool
+
+    @classmethod
+    def start(cls, device: torch.device) -> "BuildMemory":
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            return cls(device=device, start_bytes=torch.cuda.memory_allocated(device), peak_reset=True)
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # Linux: reset this process's resident-set high-water mark (VmHWM)
+            reset = True
+        except OSError:
+            reset = False
+        return cls(device=device, start_bytes=_rss_bytes(), peak_reset=reset)
+
+    def peak_bytes(self) -> int:
+        """Peak growth since start(); without a reset, the current growth (a lower bound)."""
+        if self.device.type == "cuda":
+            return max(0, torch.cuda.max_memory_allocated(self.device) - self.start_bytes)
+        return max(0, (_rss_peak_bytes() if self.peak_reset else _rss_bytes()) - self.start_bytes)

@@ -7,7 +7,9 @@ import os
 
 import torch
 
-from dtk.strategies.base import BuildContext, build_torch_optimizer, loss_fn, materialize_optimizer_state, optimizer_tensors
+from dtk.strategies import zero_checkpoint
+from dtk.strategies.base import (BuildContext, build_torch_optimizer, loss_fn, materialize_optimizer_state,
+                                 optimizer_tensors, prepare_blocks)
 
 
 def _quiet_deepspeed() -> None:
@@ -36,7 +38,7 @@ class ZeroEngine:
         import deepspeed
 
         r = ctx.recipe
-        self.stage, self.rank = stage, ctx.group.rank()
+        self.stage, self.rank, self.world = stage, ctx.group.rank(), ctx.group.size()
         self.bf16 = r.training.precision == "bf16"
         # On CPU, DeepSpeed's comm backend JIT-builds a shared-memory all-reduce (~40 s cold; rebuilt whenever a
         # process with another ninja version touched the cache) that only its inference path uses and that would
@@ -66,8 +68,8 @@ class ZeroEngine:
             "zero_force_ds_cpu_optimizer": False,
             "steps_per_print": 1 << 30,
         }
-        model = ctx.model_factory().to(ctx.device)
-        optimizer = build_torch_optimizer(model.parameters(), r.optimizer)
+        model = prepare_blocks(_model(ctx, stage=stage, config=config), r)
+        optimizer = build_torch_optimizer(model, r.optimizer)
         if stage == 3:
             _number_modules_from_zero()
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
@@ -101,6 +103,16 @@ class ZeroEngine:
             coordinator = offload.get_param_coordinator()
             if not coordinator.is_invalid_trace():
                 coordinator._invalidate_trace()
+
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups  # DeepSpeed's ZeRO optimizer hands out its torch optimizer's groups
+
+    def grad_square_share(self) -> float | None:
+        return None  # the gradients sit in DeepSpeed's partitions; its step measures the norm
+
+    def grad_norm(self) -> float | None:
+        norm = self.engine.get_global_grad_norm()
+        return None if norm is None else float(norm)
 
     def _flat_groups(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         opt = self.optimizer
@@ -170,11 +182,26 @@ class ZeroEngine:
                 f.grad = grad
 
     def checkpoint_state(self) -> dict:
-        # ZeRO partitions are rank-specific; each rank saves and loads its own keys (same world size to resume)
-        return {f"rank{self.rank}": {str(i): t for i, t in enumerate(self.local_state())}}
+        return zero_checkpoint.state(self)  # per-parameter slices: resumes on another rank count, or another stage
 
     def after_checkpoint_load(self, state: dict) -> None:
-        pass  # local_state() tensors are live: DCP loaded into them in place
+        zero_checkpoint.after_load(self, state)
+
+
+def _model(ctx: BuildContext, *, stage: int, config: dict):
+    """ZeRO-3 with a blueprint builds the model inside deepspeed.zero.Init: each module's parameters are
+    partitioned as soon as the module is built, so a rank never holds the whole model; then each rank fills its
+    partitions with the values a full build gives (dtk.models.init). Otherwise the whole model, on the device."""
+    if stage != 3 or ctx.blueprint is None:
+        return ctx.model_factory().to(ctx.device)
+    import deepspeed
+
+    twin = ctx.blueprint.meta()
+    with deepspeed.zero.Init(data_parallel_group=ctx.group, config_dict_or_path=config,
+                             dtype=torch.bfloat16 if config["bf16"]["enabled"] else torch.float32):
+        model = ctx.blueprint.construct()
+    ctx.blueprint.fill(model, twin=twin)
+    return model
 
 
 def build(ctx: BuildContext, *, stage: int) -> ZeroEngine:

@@ -15,7 +15,9 @@ from conftest import RECIPES, ROOT, TINY, dtk_env, losses, read_jsonl, run_dtk
 
 pytestmark = [pytest.mark.dist]
 STEPS, EVERY, AT = 16, 5, 12
-BASE = [f"training.steps={STEPS}", f"checkpoint.every={EVERY}"]
+# a cosine schedule with warmup and weight-decay groups: the restart sets the rate of each step as the run without
+BASE = [f"training.steps={STEPS}", f"checkpoint.every={EVERY}", "optimizer.schedule=cosine", "optimizer.warmup_steps=3",
+        "optimizer.weight_decay=0.1"]
 FULL = os.environ.get("DTK_CHAOS_FULL") == "1"
 ALL = ["ddp", "fsdp", "zero2", "zero3"]
 CASES = [("kill", 3, ALL if FULL else ["ddp", "zero3"]), ("hang", 2, ALL if FULL else ["fsdp", "zero2"])]

@@ -43,8 +43,8 @@ def _rank_main(rank: int, world: int, port: int, results) -> None:
     from dtk import recipe
     from dtk.comm.group import register
     from dtk.data import build_dataset
-    from dtk.models import build_model
-    from dtk.strategies import BuildContext, build_engine
+    from dtk.models import build_model, model_blueprint
+    from dtk.strategies import META_INIT, BuildContext, build_engine
 
     register()
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, timeout=datetime.timedelta(seconds=60))
@@ -56,8 +56,10 @@ def _rank_main(rank: int, world: int, port: int, results) -> None:
                 continue
             r = recipe.build({}, [*COMMON, *overrides, f"strategy.name={strategy}"])
             data = build_dataset(r.data, seed=0)
+            # fsdp and zero3 build on meta and fill their shards (a model.target has no blueprint: built whole)
+            blueprint = model_blueprint(r.model, data.spec, seed=0) if strategy in META_INIT else None
             ctx = BuildContext(model_factory=lambda: build_model(r.model, data.spec, seed=0), recipe=r,
-                               group=dist.group.WORLD, device=torch.device("cpu"))
+                               group=dist.group.WORLD, device=torch.device("cpu"), blueprint=blueprint)
             engine = build_engine(strategy, ctx)
             losses = []
             for step in range(STEPS):

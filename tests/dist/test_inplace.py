@@ -18,8 +18,10 @@ from conftest import ROOT, RECIPES, TINY, dtk_env, losses, read_jsonl, train
 pytestmark = [pytest.mark.dist]
 STEPS = 40
 # Slow enough per step that the kill lands mid-run on a loaded 2-core machine; with dropout, whose draws follow
-# (seed, step, rank): the replacement and the redone step draw what the run without the kill drew.
-MODEL = ["model.width=64", "model.layers=2", "world.nproc=3", f"training.steps={STEPS}", "model.dropout=0.1"]
+# (seed, step, rank): the replacement and the redone step draw what the run without the kill drew; and a cosine
+# schedule with warmup, whose rate follows the step alone.
+MODEL = ["model.width=64", "model.layers=2", "world.nproc=3", f"training.steps={STEPS}", "model.dropout=0.1",
+         "optimizer.schedule=cosine", "optimizer.warmup_steps=5"]
 
 
 def _wait_for(predicate, timeout: float, what: str):
@@ -62,6 +64,9 @@ def test_kill_one_of_three_ddp_ranks_recovers_in_place_with_same_losses(tmp_path
     assert losses(run_dir) == losses(reference)
     records = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "loss" in r]
     assert [r["step"] for r in records] == list(range(STEPS))
+    # the cosine schedule's rate of every step, a redone one included, as in the run without the kill
+    assert [r["lr"] for r in records] == [r["lr"] for r in read_jsonl(reference / "metrics.jsonl") if "loss" in r]
+    assert all(r["grad_norm"] > 0 for r in records)
 
     summary = json.loads((run_dir / "summary.json").read_text())
     [failure] = summary["failures"]

@@ -88,7 +88,7 @@ def test_compare_strategies_writes_every_file_with_sane_figures(tmp_path):
         text = " ".join(text.split())  # the terminal table wraps its caption at the console width
         for name in by_name:
             assert name in text
-        assert "warm-up" in text and "model states" in text and "verdict: fastest" in text
+        assert "training.untimed_steps" in text and "model states" in text and "verdict: fastest" in text
     md = (out / "compare.md").read_text()
     assert md.count("\n| ") == 1 + len(by_name)  # header + one row per variant
     assert "16Ψ/N" in md and "3Ψ" in md
@@ -101,7 +101,7 @@ def test_compare_strategies_writes_every_file_with_sane_figures(tmp_path):
 def test_compare_memory_ordering_follows_the_analytic_one_on_a_large_model(tmp_path):
     # ~50M parameters: model states (16Ψ = 800 MB for DDP) dominate what each rank's process holds
     big = ["model.layers=4", "model.width=1024", "model.heads=4", "data.seq_len=16", "data.vocab_size=32",
-           "training.micro_batch=4", "training.steps=3", "training.warmup_steps=1"]
+           "training.micro_batch=4", "training.steps=3", "training.untimed_steps=1"]
     p = _compare(tmp_path / "mem", *big, "--strategies", "ddp,fsdp")
     assert p.returncode == 0, _explain(p)
     ddp, fsdp = json.loads((tmp_path / "mem" / "compare.json").read_text())["variants"]
