@@ -53,9 +53,11 @@ def _watch_sigterm() -> None:
         while True:
             sender = signal.sigwaitinfo({signal.SIGTERM}).si_pid
             if sender == launcher or os.getppid() != launcher:
-                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                # signal.signal() works only in the main thread, which may be blocked in a collective: this
+                # thread unblocks SIGTERM for itself and sends it to itself, so its default action ends the process
                 signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-                os.kill(os.getpid(), signal.SIGTERM)  # delivered to this thread, the one that does not block it
+                signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+                os._exit(128 + signal.SIGTERM)  # reached only where a library installed a SIGTERM handler of its own
             logging.getLogger(__name__).warning("SIGTERM from pid %d: passed to the launcher (pid %d), which stops "
                                                 "the run at a step boundary", sender, launcher)
             os.kill(launcher, signal.SIGTERM)
