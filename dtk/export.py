@@ -99,16 +99,17 @@ def write(model: nn.Module, r: recipes.Recipe, out: Path, *, fmt: Format) -> Non
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def save_final(engine, *, r: recipes.Recipe, run_dir: str | Path, step: int, rank: int) -> None:
+def save_final(engine, *, r: recipes.Recipe, run_dir: str | Path, step: int, rank: int, checkpointed: bool) -> None:
     """Every rank, at the end of a run: final/ with model.safetensors and recipe.yaml, and hf/ for model.hf. The
-    state goes through a DCP save (the checkpoint of this step when one was just taken) and export on rank 0, so
-    final/ holds exactly what `dtk export` makes of a checkpoint."""
+    state goes through a DCP save (the checkpoint of this step when the run has one: `checkpointed`) and export on
+    rank 0, so final/ holds exactly what `dtk export` makes of a checkpoint. `checkpointed` comes from the recipe and
+    the step, the same on every rank: read from the folder, the ranks once chose differently (rank 0 writes the
+    checkpoint's manifest after the save, and a rank that looked before it saved alone)."""
     import torch.distributed.checkpoint as dcp
 
     run_dir = Path(run_dir)
-    found = checkpoint.latest(run_dir)
     staging = run_dir / ".final-state"
-    source = found[1] if found and found[0] == step else staging
+    source = checkpoint.checkpoint_dir(run_dir) / f"step_{step}" if checkpointed else staging
     if source == staging:
         dcp.save({"engine": engine.checkpoint_state(), "step": torch.tensor(step)}, checkpoint_id=str(staging))
     if rank == 0:

@@ -27,7 +27,7 @@ from dtk.parentdeath import die_with_parent
 from dtk.report import ProgressLine, write_summary
 from dtk.resilience import faults
 from dtk.resilience import protocol as keys
-from dtk.resilience.checkpoint import DISK_FULL, check_shared, disk_full_line, resume_line
+from dtk.resilience.checkpoint import DISK_FULL, check_shared, disk_full_line, disk_is_full, resume_line
 from dtk.resilience.failures import finalize_failures
 from dtk.resilience.live import LiveControl
 from dtk.resilience.recovery import RunState
@@ -275,7 +275,7 @@ def _finish(supervisor: Supervisor, *, host: Host, role: NodeRole, code: int, st
         if e.errno != errno.ENOSPC:
             raise
         code, disk_full = code or 1, True
-    if disk_full or (code and any(DISK_FULL in line for line in supervisor.messages)):
+    if disk_full or (code and (any(DISK_FULL in line for line in supervisor.messages) or disk_is_full(run_dir))):
         supervisor.messages = [disk_full_line(run_dir)]  # a rank's traceback would only repeat it
     for line in supervisor.messages:
         print(line, file=sys.stderr)

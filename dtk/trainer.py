@@ -288,5 +288,6 @@ class Trainer:
             log.info("output.save_final: %s keeps one model per cluster; no final/ written", r.strategy.name)
             return
         self.control.phase = "checkpoint"  # a long save is not a hang
-        export.save_final(self.engine, r=r, run_dir=self.run_dir, step=step, rank=self.rank)
+        checkpointed = bool(r.checkpoint.every) and step % r.checkpoint.every == 0  # saved by run(), or resumed from
+        export.save_final(self.engine, r=r, run_dir=self.run_dir, step=step, rank=self.rank, checkpointed=checkpointed)
         self.control.phase = "train"

@@ -5,8 +5,10 @@ A checkpoint is trusted only when whole: after DCP's save has returned on every 
 file cut short since, is skipped on resume for the newest whole one."""
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -68,6 +70,22 @@ def resume_line(run_dir: str | Path) -> str:
 
 DISK_FULL = "No space left on device"
 """strerror(ENOSPC), as a rank's log or an OSError says it."""
+
+
+def disk_is_full(run_dir: str | Path, *, probe_bytes: int = 1 << 20) -> bool:
+    """Whether the run folder's disk has no room for `probe_bytes` more: asked after a rank failed, since a save cut
+    short by a full disk does not always say ENOSPC (torch's zip writer reports 'unexpected pos ...')."""
+    probe = Path(run_dir) / f".disk-probe.{os.getpid()}"
+    try:
+        with open(probe, "wb") as f:
+            f.write(b"\0" * probe_bytes)
+            f.flush()
+            os.fsync(f.fileno())
+        return False
+    except OSError as e:
+        return e.errno == errno.ENOSPC
+    finally:
+        probe.unlink(missing_ok=True)
 
 
 def disk_full_line(run_dir: str | Path) -> str:
