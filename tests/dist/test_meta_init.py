@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from dtk.launch import free_port
+from dtk.rendezvous import free_port
 
 pytestmark = [pytest.mark.dist]
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from dtk.launch import free_port
+from dtk.rendezvous import free_port
 
 pytestmark = [pytest.mark.dist]
 STRATEGIES = ["ddp", "fsdp", "zero2", "zero3"]  # zero3 last: DeepSpeed's stage 3 leaves hooks behind
