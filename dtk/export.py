@@ -113,6 +113,12 @@ def save_final(engine, *, r: recipes.Recipe, run_dir: str | Path, step: int, ran
     if source == staging:
         dcp.save({"engine": engine.checkpoint_state(), "step": torch.tensor(step)}, checkpoint_id=str(staging))
     if rank == 0:
+        lacking = checkpoint.missing_files(source)
+        if lacking:  # several hosts, each with its own run folder: the other ranks' shards are on their disks
+            log.warning("output.save_final: no final/ written: %s (a run folder not shared by every node); "
+                        "dtk export RUN_DIR on a folder that holds every node's files makes it", lacking)
+            shutil.rmtree(staging, ignore_errors=True)
+            return
         model = load_model(r, source)
         final = run_dir / "final"
         write(model, r, final, fmt="safetensors")

@@ -143,6 +143,11 @@ def _needed(path: Path) -> dict[str, int]:
     return need
 
 
+def missing_files(path: Path) -> str:
+    """'' when `path` (a DCP folder whose save returned) holds every file its .metadata names, else which it lacks."""
+    return _missing(path, _needed(path))
+
+
 def _missing(path: Path, need: dict[str, int]) -> str:
     """'' when `path` holds every file of `need` in full, else which ones it lacks (for an error line)."""
     here = {p.name: p.stat().st_size for p in path.iterdir() if p.is_file()} if path.is_dir() else {}
