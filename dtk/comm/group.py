@@ -31,14 +31,20 @@ class SeamWork(dist._Work):
     """The inner work, waited on directly by the caller's thread; it completes when the inner work does or when the
     seam releases it, and never raises. A future (DDP asks for one) is made only when asked for."""
 
-    def __init__(self, group: "DtkGroup", kind: str, result, inner):
+    def __init__(self, group: "DtkGroup", kind: str, result, inner, *, p2p: bool = False):
         super().__init__()
         self._group, self._kind, self._result, self._inner = group, kind, result, inner
         self._t0 = time.perf_counter()
         self._generation = Seam.generation
         self._future: torch.futures.Future | None = None
         self._done = inner is None
-        if not self._done:
+        self._completed = threading.Event()  # set by _finish: what a caller sleeps on while another thread waits
+        self._p2p = p2p
+        self._watched = False
+        self._whole: bool | None = None
+        if self._done:
+            self._completed.set()
+        else:
             group.outstanding.add(self)
 
     def _failed(self, e: Exception) -> None:
@@ -66,23 +72,48 @@ class SeamWork(dist._Work):
             self._done = True
             future = self._future  # one made after this point is completed by get_future itself
             self._group.outstanding.discard(self)
+        self._completed.set()
         if self._kind:
             Seam.stats.finished(self._kind, time.perf_counter() - self._t0)
         if future is not None:
             future.set_result(self._result)  # outside the lock: it runs the strategy's callbacks
 
     def wait(self, timeout=None) -> bool:
-        if not self._done and not _has_future(self._inner):
-            # gloo's future-less works (_reduce_scatter_base) block in wait() whatever its timeout, so a release
-            # could not reach this thread: the group's waiter thread blocks on them, and this one only polls
-            self._group.waiter.watch(self)
-            while not self._done:
+        if self._done:
+            return True
+        if self._waited_whole():
+            # The group's waiter thread blocks on the inner work and sets the event; this thread sleeps on the
+            # event, waking each slice only to see whether the seam released it (a peer's death).
+            self._watch()
+            while not self._completed.wait(WAIT_SLICE.total_seconds()):
                 if Seam.failed_generation >= self._generation:
                     self._cut()
                     break
-                time.sleep(WAIT_SLICE.total_seconds() / 10)
             return True
         return self._block()
+
+    def _waited_whole(self) -> bool:
+        """Works that cannot be waited in slices: gloo's future-less works (_reduce_scatter_base) block in wait()
+        whatever its timeout, and gloo's send/recv end with an error at their first timed-out wait."""
+        if self._whole is None:
+            self._whole = self._p2p or not _has_future(self._inner)
+        return self._whole
+
+    def _watch(self) -> None:
+        with _finish_lock:
+            watched, self._watched = self._watched, True
+        if not watched:
+            self._group.waiter.watch(self)
+
+    def _wait_whole(self) -> None:
+        """On the waiter thread: one wait with no timeout (the inner group's own timeout still bounds it)."""
+        if self._done:
+            return
+        try:
+            self._inner.wait()
+        except Exception as e:  # noqa: BLE001 -- whatever the inner backend raises, the strategy must not see it
+            self._failed(e)
+        self._finish()
 
     def _block(self) -> bool:
         inner = self._inner
@@ -116,7 +147,7 @@ class SeamWork(dist._Work):
         try:
             inner = self._inner.get_future()
         except RuntimeError:  # some gloo works (e.g. _reduce_scatter_base) have no future: wait in a thread
-            self._group.waiter.watch(self)
+            self._watch()
         else:
             inner.add_done_callback(self._on_inner_done)
         return future
@@ -125,7 +156,11 @@ class SeamWork(dist._Work):
         return self._done or (self._inner.is_completed() and self._finish_now())
 
     def _finish_now(self) -> bool:
-        self.wait()  # completed: returns at once, and reports a failure if there was one
+        # completed: its wait returns at once, and reports a failure if there was one
+        if self._waited_whole():
+            self._wait_whole()
+        else:
+            self._block()
         return True
 
     def is_success(self) -> bool:
@@ -142,7 +177,8 @@ _finish_lock = threading.Lock()
 
 
 class Waiter:
-    """Completes the futures of works that have none of their own, by waiting on them in order in one thread."""
+    """Waits, in order and in one thread, on the works that cannot be waited in slices (see
+    `SeamWork._waited_whole`), and completes them: their callers sleep on the work's event, not in a poll."""
 
     def __init__(self):
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -156,7 +192,7 @@ class Waiter:
 
     def _loop(self) -> None:
         while True:
-            self._queue.get()._block()
+            self._queue.get()._wait_whole()
 
 
 def _has_future(inner) -> bool:
@@ -284,7 +320,7 @@ class DtkGroup(dist.ProcessGroup):
                 with torch.no_grad():
                     local()
             return SeamWork(self, kind, result, None)
-        return SeamWork(self, kind if counting else "", result, call(inner))
+        return SeamWork(self, kind if counting else "", result, call(inner), p2p=peer is not None)
 
     def _route(self, kind: str, native, **call):
         """The one place where comm.mode adaptive changes what runs: the planner's way for this call (an algorithm

@@ -89,3 +89,32 @@ def test_a_release_frees_a_wait_on_a_work_that_ignores_its_timeout(group):
     threading.Timer(0.1, Seam.release, args=("rank 2 died",)).start()
     assert work.wait() is True  # without the release it would block for good (pytest's timeout ends it)
     assert Seam.failure == "rank 2 died" and not group.outstanding
+
+
+class P2PWork:
+    """gloo's send/recv work: a wait with a timeout that runs out ends the work with an error (so it must never be
+    waited in slices); a wait with no timeout returns when the transfer is done."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.timed_waits = seconds, 0
+
+    def get_future(self):
+        return None
+
+    def is_completed(self) -> bool:
+        return False
+
+    def wait(self, timeout=None) -> bool:
+        if timeout is not None:
+            self.timed_waits += 1
+            raise RuntimeError("Timed out waiting 50ms for recv operation to complete")
+        time.sleep(self.seconds)
+        return True
+
+
+def test_a_transfer_longer_than_a_slice_is_not_a_failure(group):
+    inner = P2PWork(seconds=0.2)  # four slices
+    work = SeamWork(group, "recv", "result", inner, p2p=True)
+    assert work.wait() is True and work.result() == "result"
+    assert Seam.failure is None and inner.timed_waits == 0 and not group.outstanding
+    assert work.get_future().done()
