@@ -197,8 +197,9 @@ def _model(ctx: BuildContext, *, stage: int, config: dict):
     import deepspeed
 
     twin = ctx.blueprint.meta()
-    with deepspeed.zero.Init(data_parallel_group=ctx.group, config_dict_or_path=config,
-                             dtype=torch.bfloat16 if config["bf16"]["enabled"] else torch.float32):
+    # The dtype comes from the config (bf16 or fp32). An explicit dtype= is not what it says: DeepSpeed 0.19 reads
+    # it as `dtype or fp16 if the device supports fp16 else bf16`, so on CPU dtype=torch.float32 gave bf16 weights
+    with deepspeed.zero.Init(data_parallel_group=ctx.group, config_dict_or_path=config):
         model = ctx.blueprint.construct()
     ctx.blueprint.fill(model, twin=twin)
     return model

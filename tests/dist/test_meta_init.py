@@ -121,12 +121,11 @@ def test_meta_init_gives_ddps_losses_and_no_rank_holds_the_whole_model(trained, 
     world, results = trained
     for rank in range(world):
         got, want = results[rank][strategy], results[rank]["ddp"]
-        # the same weights: the first loss is DDP's to the bit; then fsdp adds gradients as DDP does, while on 3
-        # ranks ZeRO-3's reduce-scatter sums in another order than DDP's all-reduce (as with a full build)
+        # the same weights: the first loss is DDP's to the bit. After the first update the losses may differ in
+        # the last bit: a reduce-scatter sums (and ZeRO-3 averages) the gradients in another order than DDP's
+        # all-reduce, as with a full build (measured: 1 ulp at step 1 for zero3 on 2 ranks, step 2 for fsdp on 3)
         assert got["losses"][0] == want["losses"][0], f"{strategy} on {world} ranks, rank {rank}"
-        if strategy == "fsdp" or world == 2:
-            assert got["losses"] == want["losses"], f"{strategy} on {world} ranks, rank {rank}"
-        assert got["losses"] == pytest.approx(want["losses"], rel=1e-6, abs=0)
+        assert got["losses"] == pytest.approx(want["losses"], rel=1e-6, abs=0), f"{strategy} on {world} ranks"
         # what the build allocated and still held at its peak: this rank's 1/N of the parameters and, while it
         # fills them, one whole group (a block, or the embeddings and head) at a time
         assert got["build_peak_bytes"] < got["model_bytes"] * (1 / world + 0.2), (strategy, world, rank, got)
