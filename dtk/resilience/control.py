@@ -44,10 +44,11 @@ class Control:
         self._watch_store = keys.attempt_store(connect(address), attempt)
         self._watch_run = keys.run_store(connect(address))
         self.step = 0
-        self.phase = "train"
+        self._phase = "train"
+        self._progress_at = time.monotonic()
+        """When the main thread last moved on (a new step or phase): a beat says how long ago, by this clock."""
         self.step_seconds = 0.0
         """The last committed step's duration: the launcher sizes its hang timeout from it."""
-        """What the main thread is doing, for the launcher's hang watch: train, checkpoint (allowed longer), recovery."""
         self.last_plan: dict | None = None
         """The recovery plan this rank last joined by (dtk.resilience.inplace.rejoin)."""
         self.on_faults: Callable[[list[dict]], None] | None = None
@@ -74,7 +75,8 @@ class Control:
                     outstanding = sum(len(g.outstanding) for g in Seam.groups)
                     self._watch_store.set(keys.beat(self.rank), json.dumps(
                         {"step": self.step, "t": time.time(), "outstanding": outstanding, "phase": self.phase,
-                         "step_s": self.step_seconds, "token": self.token}))
+                         "still_s": round(time.monotonic() - self._progress_at, 3), "step_s": self.step_seconds,
+                         "token": self.token}))
                     last_beat = time.monotonic()
                     self._poll_faults()
                     if not self.preempted and self._watch_store.check([keys.PREEMPT]):
@@ -107,7 +109,20 @@ class Control:
         key = keys.faults(self.rank)
         return json.loads(self.run_store.get(key)) if self.run_store.check([key]) else []
 
+    @property
+    def phase(self) -> str:
+        """What the main thread is doing, for the launcher's hang watch: train, eval, checkpoint and recovery (the
+        last three allowed longer)."""
+        return self._phase
+
+    @phase.setter
+    def phase(self, phase: str) -> None:
+        self._phase = phase
+        self._progress_at = time.monotonic()
+
     def beat(self, step: int) -> None:
+        if step != self.step:
+            self._progress_at = time.monotonic()
         self.step = step
 
     def mark(self, key: str, payload: dict) -> None:

@@ -31,12 +31,19 @@ def signal_name(code: int) -> str:
 
 
 class HangWatch:
-    """A started rank whose step has not advanced for the timeout is stalled. Of the stalled ranks, those with no
-    collective outstanding are the hung ones (the others are waiting for them); if all wait, all are hung.
+    """A started rank that has not moved on (a new step or phase) for the timeout is stalled. Of the stalled ranks,
+    those with no collective outstanding are the hung ones (the others are waiting for them); if all wait, all are
+    hung.
 
     The timeout is `fixed_s` when the user gives one; otherwise it follows the run: HANG_STEP_MULTIPLE x the p95
     of the step times the ranks report, at least HANG_FLOOR_S, and HANG_ALLOWANCE_S before 3 steps were seen or
-    while a rank saves a checkpoint or recovers."""
+    while a rank saves a checkpoint, evaluates or recovers.
+
+    A hang is found within the timeout of the rank's last progress, this watch's poll included: a beat says how long
+    its rank has been still by the rank's own clock (`still_s`, no clock shared between hosts is needed), this
+    watch adds how long ago it first read that beat, and it declares the hang one poll before the timeout."""
+
+    POLL_S = 0.25
 
     def __init__(self, *, fixed_s: float | None):
         self.fixed_s = fixed_s
@@ -45,6 +52,9 @@ class HangWatch:
 
     def reset(self) -> None:
         self.seen: dict[int, tuple[int, float]] = {}
+        """Each rank's last step read, and when this watch first read it (for beats without `still_s`)."""
+        self.read: dict[int, tuple[float, float]] = {}
+        """Each rank's last beat (its time stamp), and when this watch first read it."""
         self.phases: dict[int, str] = {}
         """Each rank's phase in its last beat read (train, eval, checkpoint, recovery)."""
         self.hung: dict[int, float] = {}
@@ -66,23 +76,36 @@ class HangWatch:
         return {"heartbeat_timeout_s": self.timeout_s(), "mode": "fixed" if self.fixed_s is not None else "auto",
                 "step_times_seen": len(self.step_times)}
 
+    def _still_s(self, rank: int, beat: dict, now: float) -> float:
+        """How long `rank` has not moved on, as of now."""
+        step, since = self.seen.get(rank, (-1, now))
+        if beat["step"] != step:
+            self.seen[rank] = (beat["step"], now)
+            if beat.get("step_s"):
+                self.step_times.append(beat["step_s"])
+        if "still_s" not in beat:
+            return now - self.seen[rank][1]
+        stamp, first_read = self.read.get(rank, (None, now))
+        if beat["t"] != stamp:
+            self.read[rank] = (beat["t"], now)
+            first_read = now
+        return beat["still_s"] + (now - first_read)
+
     def check(self, control, ranks: list[int]) -> list[int]:
         now = time.monotonic()
         if now < self._next_poll:
             return []
-        self._next_poll = now + 0.25
-        beats = {}
+        self._next_poll = now + self.POLL_S
+        beats, still = {}, {}
         for r in ranks:
             if control.check([keys.beat(r)]):
                 beats[r] = json.loads(control.get(keys.beat(r)))
                 self.phases[r] = beats[r].get("phase", "train")
-                step, since = self.seen.get(r, (-1, now))
-                if beats[r]["step"] != step:
-                    self.seen[r] = (beats[r]["step"], now)
-                    if beats[r].get("step_s"):
-                        self.step_times.append(beats[r]["step_s"])
+                still[r] = self._still_s(r, beats[r], now)
+        # one poll early: the next poll may come that much after the timeout
         timeout = self.timeout_s({b.get("phase", "train") for b in beats.values()})
-        stalled = [r for r in beats if r not in self.hung and now - self.seen[r][1] > timeout]
+        timeout -= min(self.POLL_S, timeout / 4)
+        stalled = [r for r in beats if r not in self.hung and still[r] > timeout]
         if len(stalled) < len(beats):
             return []  # someone still makes progress: a slow step, not a hang
         culprits = [r for r in stalled if beats[r]["outstanding"] == 0] or stalled

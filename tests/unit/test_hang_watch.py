@@ -1,0 +1,49 @@
+"""The hang watch reads how long each rank has been still from its own beats (torch's in-process HashStore stands
+for the run's store): a hang is declared within the timeout of the rank's last progress, the watch's poll included,
+and never while a peer still moves on."""
+from __future__ import annotations
+
+import json
+
+import torch.distributed as dist
+
+from dtk.resilience import protocol as keys
+from dtk.resilience.watches import HangWatch
+
+
+def _beat(store: dist.Store, rank: int, *, still_s: float, outstanding: int, t: float, phase: str = "train") -> None:
+    store.set(keys.beat(rank), json.dumps({"step": 7, "t": t, "outstanding": outstanding, "phase": phase,
+                                           "still_s": still_s, "step_s": 0.1, "token": f"host:{rank}"}))
+
+
+def _check(watch: HangWatch, store: dist.Store) -> list[int]:
+    watch._next_poll = 0.0  # each call is one poll
+    return watch.check(store, [0, 1, 2])
+
+
+def test_a_hang_is_declared_one_poll_before_the_timeout_and_only_the_idle_rank_is_blamed():
+    store = dist.HashStore()
+    watch = HangWatch(fixed_s=5.0)
+    for t, still in enumerate([4.5, 4.7]):  # within the timeout, one poll of slack left: not yet
+        for r in range(3):
+            _beat(store, r, still_s=still, outstanding=0 if r == 1 else 1, t=float(t))
+        assert _check(watch, store) == []
+    for r in range(3):  # the next poll may come 0.25 s later, past the timeout: declare it now
+        _beat(store, r, still_s=4.8, outstanding=0 if r == 1 else 1, t=2.0)
+    assert _check(watch, store) == [1]
+    assert _check(watch, store) == []  # once
+
+
+def test_a_peer_that_moves_on_or_a_long_phase_keeps_the_others_from_being_called_hung():
+    store = dist.HashStore()
+    watch = HangWatch(fixed_s=None)
+    watch.step_times.extend([0.1] * 10)  # the automatic timeout is its floor, 5 s
+    for r in range(3):
+        _beat(store, r, still_s=0.2 if r == 0 else 30.0, outstanding=0 if r == 1 else 1, t=1.0)
+    assert _check(watch, store) == []  # rank 0 still steps: rank 1 is slow, not hung
+    for r in range(3):
+        _beat(store, r, still_s=30.0, outstanding=0, t=2.0, phase="checkpoint" if r == 2 else "train")
+    assert _check(watch, store) == []  # a save may take a minute
+    for r in range(3):
+        _beat(store, r, still_s=30.0, outstanding=0 if r == 1 else 1, t=3.0)
+    assert _check(watch, store) == [1]
