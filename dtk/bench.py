@@ -26,17 +26,21 @@ def _bus(kind: str, n: int) -> float:
 
 def _ops(dist, full, part, nproc: int) -> dict:
     """One call of each collective on group g; reduce and broadcast take each rank as root in turn (ZeRO-1/2
-    reduce each gradient partition to its owner)."""
+    reduce each gradient partition to its owner): with --iters a multiple of the ranks, each root weighs the same."""
     import itertools
 
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    roots = {k: itertools.cycle(range(nproc)) for k in ("reduce", "broadcast")}
+    roots: dict = {}
+
+    def root(kind: str, g) -> int:  # one cycle per group: every mode sees the same roots in the same order
+        return next(roots.setdefault((kind, id(g)), itertools.cycle(range(nproc))))
+
     return {"all_reduce": lambda g: dist.all_reduce(full, group=g),
             "all_gather": lambda g: all_gather(full, part, group=g),
             "reduce_scatter": lambda g: reduce_scatter(part, full, group=g),
-            "reduce": lambda g: dist.reduce(full, dst=next(roots["reduce"]), group=g),
-            "broadcast": lambda g: dist.broadcast(full, src=next(roots["broadcast"]), group=g)}
+            "reduce": lambda g: dist.reduce(full, dst=root("reduce", g), group=g),
+            "broadcast": lambda g: dist.broadcast(full, src=root("broadcast", g), group=g)}
 
 
 def sizes(min_bytes: int, max_bytes: int) -> list[int]:

@@ -249,8 +249,8 @@ def _way(kind: str, choice: Choice, a: dict) -> str:
         return "native" if choice.order == tuple(range(len(choice.order))) else "reordered"
     if kind == "all_gather":
         flat = a.get("output")
-        ok = a.get("outputs") is not None or a.get("output_lists") is not None or (flat is not None and flat.is_contiguous())
-        return "reordered" if ok else "native"
+        lists = a.get("outputs") is not None or a.get("output_lists") is not None
+        return "reordered" if lists or (flat is not None and flat.is_contiguous()) else "native"
     if kind == "reduce_scatter":
         flat = a.get("input")
         return "reordered" if a.get("inputs") is not None or (flat is not None and flat.is_contiguous()) else "native"

@@ -28,7 +28,9 @@ REFERENCE_BYTES = 8 << 20
 """The size at which plans are compared for hysteresis."""
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast")
 MAX_SEARCH = 8
-"""Largest group whose ring orders and broadcast numberings are searched over every permutation."""
+"""Largest group whose ring orders are searched over every permutation."""
+TREE_SEARCH = 6
+"""Largest group whose broadcast numberings are searched over every permutation (per root: p x (p-1)!)."""
 
 
 @dataclass(frozen=True)
@@ -175,13 +177,22 @@ def seconds(links: Links, kind: str, choice: Choice, nbytes: float) -> float:
 
 
 def best_tree(links: Links, root: int) -> tuple[int, ...]:
-    """The numbering (root first) whose binomial broadcast is fastest; () when the native one is as fast."""
+    """The numbering (root first) whose binomial broadcast is fastest; () when the native one is as fast. Every
+    numbering up to TREE_SEARCH ranks; above, greedily: each next virtual rank takes the rank with the fastest link
+    from its tree parent (v's parent is v without its highest bit)."""
     p = len(links.bw)
     native = native_vranks(p, root)
-    if p > MAX_SEARCH:
-        return ()
-    best = min(((root, *perm) for perm in itertools.permutations(native[1:])),
-               key=lambda o: (tree_seconds(links, o, REFERENCE_BYTES), o != native))
+    if p <= TREE_SEARCH:
+        candidates = [(root, *perm) for perm in itertools.permutations(native[1:])]
+    else:
+        greedy, left = [root], list(native[1:])
+        for v in range(1, p):
+            parent = greedy[v ^ (1 << (v.bit_length() - 1))]
+            pick = max(left, key=lambda r: (min(links.bw[parent][r], links.cap[r]), -left.index(r)))
+            greedy.append(pick)
+            left.remove(pick)
+        candidates = [native, tuple(greedy)]
+    best = min(candidates, key=lambda o: (tree_seconds(links, o, REFERENCE_BYTES), o != native))
     return () if best == native else best
 
 

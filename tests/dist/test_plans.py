@@ -25,7 +25,8 @@ def _plans(p: int) -> dict[str, dict]:
         "reordered": {
             **{k: Choice(algo="reordered", order=order) for k in ("all_reduce", "all_gather", "reduce_scatter")},
             "reduce": Choice(algo="reordered", order=order, via_all_reduce=(1,)),
-            "broadcast": Choice(algo="reordered", roots=tuple((r,) + tuple(x for x in rev if x != r) for r in range(p))),
+            "broadcast": Choice(algo="reordered",
+                                roots=tuple((r,) + tuple(x for x in rev if x != r) for r in range(p))),
         },
         "leaf": {  # plus the mixed cases: a reduce via the native group's all-reduce, some roots native
             "all_reduce": Choice(algo="leaf", groups=leaf_groups, back=((0, 2),) if p >= 3 else ()),

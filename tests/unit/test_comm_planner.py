@@ -78,7 +78,7 @@ def tree_edges(vranks):
     return out
 
 
-@pytest.mark.parametrize("p", [4, 5])
+@pytest.mark.parametrize("p", [4, 5, 8])  # 8: above TREE_SEARCH, the greedy numbering
 def test_congested_pair_keeps_every_roots_broadcast_tree_off_it(p):
     links = Links(matrix(p, slow_pairs=[(0, 1)]))
     c = choose(links, "broadcast")
