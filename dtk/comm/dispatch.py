@@ -236,7 +236,7 @@ def _way(kind: str, choice: Choice, a: dict) -> str:
         return "native"
     op = a["opts"].reduceOp if kind in REDUCING else None
     if op is not None and op == dist.ReduceOp.PREMUL_SUM:
-        return "native"  # gloo refuses it: the user sees gloo's own error, plan or not
+        return "native"  # gloo refuses it: the seam reports gloo's own error, as it does without a plan
     if choice.algo == "leaf":
         sums = op == dist.ReduceOp.SUM or (op == dist.ReduceOp.AVG and all(t.is_floating_point() for t in tensors))
         return "leaf" if kind == "all_reduce" and sums and len({t.dtype for t in tensors}) == 1 \
