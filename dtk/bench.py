@@ -14,7 +14,33 @@ from dtk.comm.seam import bus_factor
 from dtk.errors import DtkError
 from dtk.sizes import human_size
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast")
+NCCL_TESTS_BUS = {"reduce": 1.0, "broadcast": 1.0}
+"""busbw / algbw where nccl-tests' factor differs from the seam's byte count (which counts a reduce at the ring's
+(n-1)/n)."""
+
+
+def _bus(kind: str, n: int) -> float:
+    return NCCL_TESTS_BUS.get(kind, bus_factor(kind, n))
+
+
+def _ops(dist, full, part, nproc: int) -> dict:
+    """One call of each collective on group g; reduce and broadcast take each rank as root in turn (ZeRO-1/2
+    reduce each gradient partition to its owner): with --iters a multiple of the ranks, each root weighs the same."""
+    import itertools
+
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    roots: dict = {}
+
+    def root(kind: str, g) -> int:  # one cycle per group: every mode sees the same roots in the same order
+        return next(roots.setdefault((kind, id(g)), itertools.cycle(range(nproc))))
+
+    return {"all_reduce": lambda g: dist.all_reduce(full, group=g),
+            "all_gather": lambda g: all_gather(full, part, group=g),
+            "reduce_scatter": lambda g: reduce_scatter(part, full, group=g),
+            "reduce": lambda g: dist.reduce(full, dst=root("reduce", g), group=g),
+            "broadcast": lambda g: dist.broadcast(full, src=root("broadcast", g), group=g)}
 
 
 def sizes(min_bytes: int, max_bytes: int) -> list[int]:
@@ -95,16 +121,12 @@ def _sweep_rank(rank: int, nproc: int, port: int, queue, kinds, byte_sizes, iter
     dist.init_process_group("gloo", store=dist.PrefixStore("bench", store), rank=rank, world_size=nproc)
     register()
     groups = {"native": dist.group.WORLD, "seam": dist.new_group(backend="dtk")}
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     rows = []
     for i, size in enumerate(byte_sizes):
         count = max(nproc, size // 4 // nproc * nproc)  # float32 elements, divisible into n equal chunks
         full = torch.ones(count)
         part = torch.ones(count // nproc)
-        ops = {"all_reduce": lambda g: dist.all_reduce(full, group=g),
-               "all_gather": lambda g: all_gather(full, part, group=g),
-               "reduce_scatter": lambda g: reduce_scatter(part, full, group=g)}
+        ops = _ops(dist, full, part, nproc)
         # alternate which backend goes first, so the machine's noise does not always favour one
         order = ("native", "seam") if i % 2 == 0 else ("seam", "native")
         for kind in kinds:
@@ -115,7 +137,7 @@ def _sweep_rank(rank: int, nproc: int, port: int, queue, kinds, byte_sizes, iter
                 Seam.stats.take()
                 seconds = _timed(ops[kind], iters, groups[name], groups["native"])
                 algbw = row["size_bytes"] / seconds / 1e9
-                row[name] = {"time_s": seconds, "algbw_gbps": algbw, "busbw_gbps": algbw * bus_factor(kind, nproc)}
+                row[name] = {"time_s": seconds, "algbw_gbps": algbw, "busbw_gbps": algbw * _bus(kind, nproc)}
                 if name == "seam":  # what the seam counted per call: nccl-tests' size, if it counts right
                     stats = Seam.stats.take()["by_kind"].get(kind, {"calls": 0, "size_bytes": 0})
                     row["seam_counted_size_bytes"] = stats["size_bytes"] / max(stats["calls"], 1)
@@ -203,8 +225,6 @@ def _modes_rank(rank: int, nproc: int, port: int, queue, kinds, byte_sizes, iter
         Seam.comm_mode = mode
         groups[mode] = dist.new_group(backend="dtk")
         routers[mode] = Seam.groups[-1].router
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     native = dist.group.WORLD
     events: list[dict] = []
     rows = []
@@ -213,9 +233,7 @@ def _modes_rank(rank: int, nproc: int, port: int, queue, kinds, byte_sizes, iter
         count = max(nproc, size // 4 // nproc * nproc)
         full = torch.ones(count)
         part = torch.ones(count // nproc)
-        ops = {"all_reduce": lambda g: dist.all_reduce(full, group=g),
-               "all_gather": lambda g: all_gather(full, part, group=g),
-               "reduce_scatter": lambda g: reduce_scatter(part, full, group=g)}
+        ops = _ops(dist, full, part, nproc)
         order = list(modes) if i % 2 == 0 else list(reversed(modes))
         for kind in kinds:
             for mode in order:
@@ -229,7 +247,7 @@ def _modes_rank(rank: int, nproc: int, port: int, queue, kinds, byte_sizes, iter
                 algbw = count * 4 / seconds / 1e9
                 plan = router.state.plan[kind].describe() if router is not None else "native"
                 rows.append({"comm": mode, "kind": kind, "size_bytes": count * 4, "time_s": seconds,
-                             "algbw_gbps": algbw, "busbw_gbps": algbw * bus_factor(kind, nproc), "plan": plan})
+                             "algbw_gbps": algbw, "busbw_gbps": algbw * _bus(kind, nproc), "plan": plan})
     dist.barrier()
     if rank == 0:
         queue.put({"rows": rows, "events": events, "seconds": time.time() - t_start})

@@ -452,7 +452,8 @@ def faults() -> None:
 @bench_app.command("comm")
 def bench_comm(
     nproc: Annotated[int, typer.Option(min=2, max=16, help="Local ranks.")] = 2,
-    ops: Annotated[str, typer.Option(help="Comma list of all_reduce, all_gather, reduce_scatter.")] = "all_reduce,all_gather,reduce_scatter",
+    ops: Annotated[str, typer.Option(help="Comma list of all_reduce, all_gather, reduce_scatter, reduce, broadcast "
+                                          "(reduce and broadcast: each rank as root in turn).")] = "all_reduce,all_gather,reduce_scatter",
     min_bytes: Annotated[str, typer.Option(help="Smallest size, e.g. 4K.")] = "4K",
     max_bytes: Annotated[str, typer.Option(help="Largest size, e.g. 64M.")] = "64M",
     iters: Annotated[int, typer.Option(min=1)] = 5,
@@ -468,25 +469,21 @@ def bench_comm(
 ) -> None:
     """nccl-tests-like sweep: time, algbw and busbw per size, native backend vs dtk's seam (or, with --comm,
     comm modes side by side; with --testbed, on an emulated network, congested with --congest)."""
-    from dtk.bench import run_modes, run_sweep
+    from dtk.bench import KINDS, run_modes, run_sweep
     from dtk.sizes import parse_size
 
     testbed = _testbed_hosts(testbed)
+    kinds = [k.strip() for k in ops.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in KINDS]
+    if bad:
+        raise DtkError(f"--ops: got {bad[0]!r}; accepted: {', '.join(KINDS)}")
     if comm is not None or testbed or congest or out_dir:
-        kinds = [k.strip() for k in ops.split(",") if k.strip()]
-        bad = [k for k in kinds if k not in ("all_reduce", "all_gather", "reduce_scatter")]
-        if bad:
-            raise DtkError(f"--ops: got {bad[0]!r}; accepted: all_reduce, all_gather, reduce_scatter")
         modes = [m.strip() for m in (comm or "native,adaptive").split(",") if m.strip()]
         run_modes(nproc=nproc, kinds=kinds, min_bytes=parse_size(min_bytes, "--min-bytes"),
                   max_bytes=parse_size(max_bytes, "--max-bytes"), iters=iters, warmup=warmup, modes=modes,
                   out_dir=out_dir, testbed=testbed, congest=congest or [])
         return
 
-    kinds = [k.strip() for k in ops.split(",") if k.strip()]
-    bad = [k for k in kinds if k not in ("all_reduce", "all_gather", "reduce_scatter")]
-    if bad:
-        raise DtkError(f"--ops: got {bad[0]!r}; accepted: all_reduce, all_gather, reduce_scatter")
     run_sweep(nproc=nproc, kinds=kinds, min_bytes=parse_size(min_bytes, "--min-bytes"),
               max_bytes=parse_size(max_bytes, "--max-bytes"), iters=iters, warmup=warmup, json_out=json_out)
 

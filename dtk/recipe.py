@@ -232,7 +232,8 @@ class CommConfig(Section):
     """Steps after which every rank rebuilds its inner process group in place (a planned reconfiguration)."""
     mode: Literal["native", "adaptive"] = "native"
     """native: every collective is the backend's own. adaptive: the comm planner watches the links and, when one
-    is congested, runs all-reduce / all-gather / reduce-scatter another way (ring order, hierarchical), same result."""
+    is congested, runs all-reduce / all-gather / reduce-scatter / reduce / broadcast another way (ring order,
+    broadcast tree, hierarchical), same result up to the order of the sums."""
 
 
 class Recipe(Section):

@@ -1,8 +1,12 @@
 """comm.mode adaptive: runs each collective of a DtkGroup the way the plan says (native, the native op on a
 renumbered group, or a dtk p2p algorithm on a worker thread), feeds the monitor, and at step boundaries lets
-every rank agree on the next plan (a tiny all-reduce of "probe?" flags, a probe, an all-gather of link rows)."""
+every rank agree on the next plan (a tiny all-reduce of "probe?" flags, a probe, an all-gather of link rows).
+
+A renumbered group runs gloo's own op, so every reduce op gloo takes (SUM, AVG, MAX, ...) is taken there; dtk's
+hierarchical all-reduce sums, and averages by dividing its sum by the group's size (what gloo's AVG does)."""
 from __future__ import annotations
 
+import collections
 import datetime
 import json
 import logging
@@ -12,7 +16,8 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions, _create_work_from_future
+from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions, BroadcastOptions,
+                                       ReduceOptions, ReduceScatterOptions)
 
 from dtk.comm import algorithms
 from dtk.comm.monitor import LinkMonitor
@@ -36,6 +41,8 @@ class Router:
         self.monitor = LinkMonitor(rank=rank, size=size)
         self.state = PlanState()
         self.groups: dict[tuple, object] = {}
+        self.ran: collections.Counter[tuple[str, str]] = collections.Counter()
+        """(kind, way) -> calls: which way each collective ran (native, reordered, leaf, all_reduce)."""
         self.boundaries = 0
         self.last_probe = -1
         self.events: list[dict] = []
@@ -48,12 +55,35 @@ class Router:
         """The callable the seam runs on its inner group: the plan's way, or `native`."""
         choice = self.state.plan.get(kind, NATIVE)
         nbytes = a.pop("nbytes")
-        if choice.algo == "native" or nbytes < choice.min_bytes or not _eligible(kind, a):
+        way = "native" if choice.algo == "native" or nbytes < choice.min_bytes else _way(kind, choice, a)
+        self.ran[(kind, way)] += 1
+        if way == "native":
             return self._timed(kind, nbytes, native)
-        if choice.algo == "reordered":
-            return _guarded(self._timed(kind, nbytes, lambda g: _reordered(self._group(choice.order), kind,
-                                                                           choice.order, a)))
-        return _guarded(lambda g: self._submit(lambda: self._leaf(choice, a["tensors"][0])))
+        if way == "leaf":
+            return _guarded(lambda g: self._submit(lambda: self._leaf(choice, a["tensors"], a["opts"].reduceOp)))
+        return _guarded(self._timed(kind, nbytes, lambda g: self._reordered(g, kind, way, choice, a)))
+
+    def _reordered(self, g, kind: str, way: str, choice: Choice, a: dict):
+        """The native op on the group the plan numbers for this call (`g`, the inner group, for the identity)."""
+        if kind == "broadcast":
+            numbering = choice.roots[a["opts"].rootRank]
+            opts = BroadcastOptions()
+            opts.rootRank, opts.rootTensor = 0, a["opts"].rootTensor  # the root is number 0 of its numbering
+            return self._group_of(numbering, g).broadcast(a["tensors"], opts)
+        pg = self._group_of(choice.order, g)
+        if kind == "reduce" and way == "all_reduce":
+            ar = AllreduceOptions()
+            ar.reduceOp = a["opts"].reduceOp
+            return pg.allreduce(a["tensors"], ar)  # a reduce leaves the other ranks' buffers undefined
+        if kind == "reduce":
+            opts = ReduceOptions()
+            opts.reduceOp, opts.rootTensor = a["opts"].reduceOp, a["opts"].rootTensor
+            opts.rootRank = choice.order.index(a["opts"].rootRank)
+            return pg.reduce(a["tensors"], opts)
+        return _renumbered(pg, kind, choice.order, a)
+
+    def _group_of(self, order: tuple[int, ...], g):
+        return g if order == tuple(range(self.size)) else self.groups[order]
 
     def _timed(self, kind: str, nbytes: int, call):
         def run(g):
@@ -67,13 +97,13 @@ class Router:
             return work
         return run
 
-    def _submit(self, job) -> dist._Work:
+    def _submit(self, job) -> "FutureWork":
         fut: torch.futures.Future = torch.futures.Future()
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="dtk-comm", daemon=True)
             self._thread.start()
         self._jobs.put((job, fut))
-        return _create_work_from_future(fut)
+        return FutureWork(fut)
 
     def _loop(self) -> None:
         while True:
@@ -85,13 +115,20 @@ class Router:
             else:
                 fut.set_result(None)
 
-    def _leaf(self, choice: Choice, t: torch.Tensor) -> None:
+    def _leaf(self, choice: Choice, tensors: list[torch.Tensor], op) -> None:
+        # coalesced tensors are summed as one flat buffer (one hierarchical call, then copied back)
+        flat = tensors[0].view(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
         leaders = tuple(g[0] for g in choice.groups)
         sub = self._group(("leaders",) + leaders) if self.rank in leaders else None
         p2p = algorithms.P2P(self.ctl)
         algorithms.hierarchical_all_reduce(
-            p2p, t, groups=choice.groups, back=dict(choice.back), chunk_bytes=PIECE_BYTES,
+            p2p, flat, groups=choice.groups, back=dict(choice.back), chunk_bytes=PIECE_BYTES,
             leader_all_reduce=(lambda x: sub.allreduce([x]).wait()) if sub is not None else None)
+        if op == dist.ReduceOp.AVG:
+            flat.div_(self.size)
+        if len(tensors) > 1:
+            for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
+                t.copy_(part.view_as(t))
         self.monitor.observe_p2p(p2p.timings)
 
     # -- groups a plan needs, built at the boundary by every member --
@@ -99,11 +136,14 @@ class Router:
         return self.groups[key]
 
     def _build_groups(self, plan: dict[str, Choice]) -> None:
+        """Every rank builds the same groups in the same order (a plan is the same on every rank)."""
+        identity = tuple(range(self.size))
         for choice in plan.values():
-            if choice.algo == "reordered" and choice.order not in self.groups:
-                name = "order-" + "-".join(map(str, choice.order))
-                self.groups[choice.order] = dist.ProcessGroupGloo(
-                    dist.PrefixStore(name, self._store), choice.order.index(self.rank), self.size, self.timeout)
+            for order in (choice.order, *choice.roots) if choice.algo == "reordered" else ():
+                if order and order != identity and order not in self.groups:
+                    name = "order-" + "-".join(map(str, order))
+                    self.groups[order] = dist.ProcessGroupGloo(
+                        dist.PrefixStore(name, self._store), order.index(self.rank), self.size, self.timeout)
             if choice.algo == "leaf":
                 leaders = tuple(g[0] for g in choice.groups)
                 key = ("leaders",) + leaders
@@ -147,6 +187,27 @@ class Router:
         return [event]
 
 
+class FutureWork:
+    """A work done on the router's thread, waited as the seam waits gloo's works: in slices, a slice that ends
+    first raising gloo's "Operation timed out!" (a work made by c10d from a future takes no finite timeout)."""
+
+    def __init__(self, fut: torch.futures.Future):
+        self._fut, self._done = fut, threading.Event()
+        fut.add_done_callback(lambda _: self._done.set())
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        if not self._done.wait(None if timeout is None else timeout.total_seconds()):
+            raise RuntimeError("Operation timed out!")
+        self._fut.wait()  # raises the job's error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+
 def _guarded(call):
     """An error while issuing a dtk route becomes a failed work (the seam releases the step), never a raise."""
     def run(g):
@@ -155,7 +216,7 @@ def _guarded(call):
         except Exception as e:
             fut: torch.futures.Future = torch.futures.Future()
             fut.set_exception(e)
-            return _create_work_from_future(fut)
+            return FutureWork(fut)
     return run
 
 
@@ -165,31 +226,52 @@ def _max(pg, t: torch.Tensor) -> None:
     pg.allreduce([t], opts).wait()
 
 
-def _eligible(kind: str, a: dict) -> bool:
-    opts = a.get("opts")
-    if kind in ("all_reduce", "reduce_scatter") and opts is not None and opts.reduceOp != dist.ReduceOp.SUM:
-        return False
+REDUCING = ("all_reduce", "reduce_scatter", "reduce")
+
+
+def _way(kind: str, choice: Choice, a: dict) -> str:
+    """How this call runs under `choice`: native, reordered, leaf, or (a reduce) all_reduce."""
     tensors = a.get("tensors") or []
-    if len(tensors) != 1 or tensors[0].is_cuda or not tensors[0].is_contiguous():
-        return False
+    if not tensors or any(t.is_cuda for t in tensors) or (len(tensors) != 1 and not a.get("coalesced")):
+        return "native"
+    op = a["opts"].reduceOp if kind in REDUCING else None
+    if op is not None and op == dist.ReduceOp.PREMUL_SUM:
+        return "native"  # gloo refuses it: the seam reports gloo's own error, as it does without a plan
+    if choice.algo == "leaf":
+        sums = op == dist.ReduceOp.SUM or (op == dist.ReduceOp.AVG and all(t.is_floating_point() for t in tensors))
+        return "leaf" if kind == "all_reduce" and sums and len({t.dtype for t in tensors}) == 1 \
+            and (len(tensors) > 1 or tensors[0].is_contiguous()) else "native"
+    if kind == "broadcast":
+        return "reordered" if choice.roots and choice.roots[a["opts"].rootRank] else "native"
+    if kind == "reduce":
+        if a["opts"].rootRank in choice.via_all_reduce:
+            return "all_reduce"
+        return "native" if choice.order == tuple(range(len(choice.order))) else "reordered"
     if kind == "all_gather":
-        return a.get("outputs") is not None or a.get("output") is not None
+        flat = a.get("output")
+        lists = a.get("outputs") is not None or a.get("output_lists") is not None
+        return "reordered" if lists or (flat is not None and flat.is_contiguous()) else "native"
     if kind == "reduce_scatter":
-        return a.get("inputs") is not None or a.get("input") is not None
-    return True
+        flat = a.get("input")
+        return "reordered" if a.get("inputs") is not None or (flat is not None and flat.is_contiguous()) else "native"
+    return "reordered"
 
 
-def _reordered(pg, kind: str, order: tuple[int, ...], a: dict):
+def _renumbered(pg, kind: str, order: tuple[int, ...], a: dict):
     """The native op on a group in which rank order[k] is number k: its ring runs in `order`."""
     p = len(order)
+    if kind == "all_reduce" and a.get("coalesced"):
+        return pg.allreduce_coalesced(a["tensors"], a["opts"])
     if kind == "all_reduce":
         return pg.allreduce(a["tensors"], a["opts"])
+    if kind == "all_gather" and a.get("output_lists") is not None:  # coalesced: one output list per rank
+        return pg.allgather_coalesced([a["output_lists"][order[k]] for k in range(p)], a["tensors"], AllgatherOptions())
     if kind == "all_gather":
         outs = a["outputs"] if a.get("outputs") is not None else list(a["output"].view(p, -1))
         return pg.allgather([[outs[order[k]] for k in range(p)]], a["tensors"], AllgatherOptions())
     ins = a["inputs"] if a.get("inputs") is not None else list(a["input"].view(p, -1))
     opts = ReduceScatterOptions()
-    opts.reduceOp = dist.ReduceOp.SUM
+    opts.reduceOp = a["opts"].reduceOp
     return pg.reduce_scatter(a["tensors"], [[ins[order[k]] for k in range(p)]], opts)
 
 

@@ -212,7 +212,7 @@ class _Serial:
     def wait(self, timeout=None) -> bool:
         for w in self._works:
             if not w.is_completed():
-                w.wait(timeout)
+                w.wait() if timeout is None else w.wait(timeout)  # gloo's wait takes no None
         return True
 
     def is_completed(self) -> bool:
@@ -335,13 +335,17 @@ class DtkGroup(dist.ProcessGroup):
             "all_reduce", lambda g: g.allreduce(tensors, opts), tensors=tensors, opts=opts, nbytes=_nbytes(tensors)))
 
     def allreduce_coalesced(self, tensors, opts):
-        return self._run("all_reduce", tensors, tensors, lambda g: g.allreduce_coalesced(tensors, opts))
+        return self._run("all_reduce", tensors, tensors, self._route(
+            "all_reduce", lambda g: g.allreduce_coalesced(tensors, opts), tensors=tensors, opts=opts, coalesced=True,
+            nbytes=_nbytes(tensors)))
 
     def broadcast(self, tensors, opts):
-        return self._run("broadcast", tensors, tensors, lambda g: g.broadcast(tensors, opts))
+        return self._run("broadcast", tensors, tensors, self._route(
+            "broadcast", lambda g: g.broadcast(tensors, opts), tensors=tensors, opts=opts, nbytes=_nbytes(tensors)))
 
     def reduce(self, tensors, opts):
-        return self._run("reduce", tensors, tensors, lambda g: g.reduce(tensors, opts))
+        return self._run("reduce", tensors, tensors, self._route(
+            "reduce", lambda g: g.reduce(tensors, opts), tensors=tensors, opts=opts, nbytes=_nbytes(tensors)))
 
     def allgather(self, output_lists, inputs, opts):
         size = sum(_nbytes(o) for o in output_lists)
@@ -351,9 +355,12 @@ class DtkGroup(dist.ProcessGroup):
             size_bytes=size, local=lambda: _fill_lists(output_lists, inputs))
 
     def allgather_coalesced(self, output_lists, inputs, opts):
+        # output_lists[r] holds rank r's inputs, one tensor each
         size = sum(_nbytes(o) for o in output_lists)
-        return self._run("all_gather", inputs, output_lists, lambda g: g.allgather_coalesced(output_lists, inputs, opts),
-                         size_bytes=size, local=lambda: _fill_lists(output_lists, inputs))
+        return self._run("all_gather", inputs, output_lists, self._route(
+            "all_gather", lambda g: g.allgather_coalesced(output_lists, inputs, opts), tensors=inputs,
+            output_lists=output_lists, coalesced=True, nbytes=size),
+            size_bytes=size, local=lambda: _fill_coalesced(output_lists, inputs))
 
     def reduce_scatter(self, outputs, input_lists, opts):
         size = sum(_nbytes(i) for i in input_lists)
@@ -377,17 +384,17 @@ class DtkGroup(dist.ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single
 
+    # gloo has no coalesced single-tensor ops: each pair is its own call, routed as the single op would be
     def all_gather_single_coalesced(self, outputs, inputs, opts):
-        return self._run("all_gather", inputs, outputs, lambda g: self._serial(g._allgather_base, outputs, inputs, opts),
-                         size_bytes=_nbytes(outputs), local=lambda: [_fill_flat(o, i) for o, i in zip(outputs, inputs)])
+        return self._run("all_gather", inputs, outputs, lambda g: _Serial([self._route(
+            "all_gather", lambda g, o=o, i=i: g._allgather_base(o, i, opts), tensors=[i], output=o,
+            nbytes=_nbytes([o]))(g) for o, i in zip(outputs, inputs)]),
+            size_bytes=_nbytes(outputs), local=lambda: [_fill_flat(o, i) for o, i in zip(outputs, inputs)])
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts):
-        return self._run("reduce_scatter", outputs, outputs, lambda g: self._serial(g._reduce_scatter_base, outputs, inputs, opts),
-                         size_bytes=_nbytes(inputs))
-
-    @staticmethod
-    def _serial(op, outputs, inputs, opts):
-        return _Serial([op(o, i, opts) for o, i in zip(outputs, inputs)])
+        return self._run("reduce_scatter", outputs, outputs, lambda g: _Serial([self._route(
+            "reduce_scatter", lambda g, o=o, i=i: g._reduce_scatter_base(o, i, opts), tensors=[o], opts=opts, input=i,
+            nbytes=_nbytes([i]))(g) for o, i in zip(outputs, inputs)]), size_bytes=_nbytes(inputs))
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts):
         return self._run("all_to_all", [input], [output],
@@ -418,6 +425,12 @@ class DtkGroup(dist.ProcessGroup):
 def _fill_lists(output_lists, inputs) -> None:
     for outs, inp in zip(output_lists, inputs):
         for o in outs:
+            o.copy_(inp)
+
+
+def _fill_coalesced(output_lists, inputs) -> None:
+    for outs in output_lists:
+        for o, inp in zip(outs, inputs):
             o.copy_(inp)
 
 

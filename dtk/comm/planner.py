@@ -1,6 +1,8 @@
 """The comm planner: an alpha-beta cost model fed with measured per-link bandwidth picks, per collective kind and
-size, the native op, the native op on a group renumbered in a better ring order, or dtk's hierarchical all-reduce
-with a congested host as a leaf. Decided at step boundaries from stats every rank shares, so all ranks agree."""
+size, the native op, the native op on a group renumbered in a better ring order (for a broadcast: a numbering per
+root that keeps gloo's binomial tree off slow links; for a reduce: some roots served by an all-reduce instead), or
+dtk's hierarchical all-reduce with a congested host as a leaf. Decided at step boundaries from stats every rank
+shares, so all ranks agree."""
 from __future__ import annotations
 
 import itertools
@@ -24,7 +26,11 @@ PIECE_BYTES = 256 << 10
 """Piece size of the hierarchical all-reduce: the congested host's stream pipelines in pieces of this size."""
 REFERENCE_BYTES = 8 << 20
 """The size at which plans are compared for hysteresis."""
-KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "reduce", "broadcast")
+MAX_SEARCH = 8
+"""Largest group whose ring orders are searched over every permutation."""
+TREE_SEARCH = 6
+"""Largest group whose broadcast numberings are searched over every permutation (per root: p x (p-1)!)."""
 
 
 @dataclass(frozen=True)
@@ -36,12 +42,22 @@ class Choice:
     groups: tuple[tuple[int, ...], ...] = ()
     back: tuple[tuple[int, int], ...] = ()
     """(member, leader) pairs: the leader that streams the result back to a member (not its own leader)."""
+    roots: tuple[tuple[int, ...], ...] = ()
+    """broadcast: per root, the numbering of the group it runs on (roots[r][0] == r, so r is number 0 and rank
+    roots[r][v] is gloo's virtual rank v); () for a root that keeps the native numbering."""
+    via_all_reduce: tuple[int, ...] = ()
+    """reduce: the roots whose reduce runs as an all-reduce on `order` (gloo's reduce gathers each rank's chunk
+    straight to the root, whatever the numbering: a slow link into the root is avoided only this way)."""
     min_bytes: int = 0
     """Calls smaller than this stay native (latency wins over bandwidth)."""
 
     def describe(self) -> str:
+        if self.algo == "reordered" and self.roots:
+            return "tree numbering " + ", ".join(f"root {r}: {'-'.join(map(str, o))}"
+                                                 for r, o in enumerate(self.roots) if o)
         if self.algo == "reordered":
-            return f"ring order {'-'.join(map(str, self.order))}"
+            via = f" (all-reduce for roots {','.join(map(str, self.via_all_reduce))})" if self.via_all_reduce else ""
+            return f"ring order {'-'.join(map(str, self.order))}{via}"
         if self.algo == "leaf":
             via = "".join(f", {m} back from {b}" for m, b in self.back)
             return f"hierarchical {'|'.join(','.join(map(str, g)) for g in self.groups)}{via} (>= {self.min_bytes} B)"
@@ -96,7 +112,8 @@ def best_order(links: Links, ranks: list[int]) -> tuple[int, ...]:
     if len(ranks) <= 3:
         return tuple(ranks)
     first, rest = ranks[0], ranks[1:]
-    candidates = [(first, *perm) for perm in itertools.permutations(rest)] if len(ranks) <= 8 else [tuple(ranks)]
+    candidates = [(first, *perm) for perm in itertools.permutations(rest)] if len(ranks) <= MAX_SEARCH \
+        else [tuple(ranks)]
     return max(candidates, key=lambda o: (min(links.bw[o[k]][o[(k + 1) % len(o)]] for k in range(len(o))),
                                           o == tuple(ranks)))
 
@@ -109,10 +126,48 @@ def leaf_seconds(links: Links, leaf: int, helper: int, rest: list[int], nbytes: 
     return max(stream, inner) * (1 + 1 / pieces) + P2P_OVERHEAD  # one piece of fill and drain
 
 
-def seconds(links: Links, kind: str, choice: Choice, nbytes: float) -> float:
+def gather_seconds(links: Links, root: int, nbytes: float) -> float:
+    """gloo's reduce ends with every rank sending its 1/p chunk straight to the root."""
     p = len(links.bw)
+    into = max(nbytes / p / min(links.bw[r][root], links.cap[r]) for r in range(p) if r != root)
+    return max(into, (p - 1) * nbytes / p / links.cap[root]) + ALPHA
+
+
+def tree_seconds(links: Links, vranks, nbytes: float) -> float:
+    """gloo's broadcast: a binomial tree over virtual ranks (the root is 0); in round i each v < 2^i sends the whole
+    buffer to v + 2^i, and a round ends with its slowest transfer. vranks[v] is the rank at virtual rank v."""
+    p, total, step = len(vranks), 0.0, 1
+    while step < p:
+        total += max(nbytes / min(links.bw[vranks[v]][vranks[v + step]], links.cap[vranks[v]],
+                                  links.cap[vranks[v + step]]) for v in range(min(step, p - step))) + ALPHA
+        step *= 2
+    return total
+
+
+def native_vranks(p: int, root: int) -> tuple[int, ...]:
+    return tuple((root + v) % p for v in range(p))
+
+
+def reduce_seconds(links: Links, order, via_all_reduce, root: int, nbytes: float) -> float:
+    p = len(order)
+    if root in via_all_reduce:
+        return ring_seconds(links, order, nbytes, 2 * (p - 1) / p)
+    return ring_seconds(links, order, nbytes, (p - 1) / p) + gather_seconds(links, root, nbytes)
+
+
+def seconds(links: Links, kind: str, choice: Choice, nbytes: float) -> float:
+    """Predicted seconds of one call; for reduce and broadcast, the mean over roots (ZeRO reduces each partition
+    to its owner in turn)."""
+    p = len(links.bw)
+    native = choice.algo == "native" or nbytes < choice.min_bytes
+    if kind == "broadcast":
+        return sum(tree_seconds(links, choice.roots[r] if not native and choice.roots and choice.roots[r]
+                                else native_vranks(p, r), nbytes) for r in range(p)) / p
+    if kind == "reduce":
+        order, via = (tuple(range(p)), ()) if native else (choice.order, choice.via_all_reduce)
+        return sum(reduce_seconds(links, order, via, r, nbytes) for r in range(p)) / p
     factor = 2 * (p - 1) / p if kind == "all_reduce" else (p - 1) / p
-    if choice.algo == "native" or nbytes < choice.min_bytes:
+    if native:
         return ring_seconds(links, tuple(range(p)), nbytes, factor)
     if choice.algo == "reordered":
         return ring_seconds(links, choice.order, nbytes, factor)
@@ -121,11 +176,48 @@ def seconds(links: Links, kind: str, choice: Choice, nbytes: float) -> float:
     return leaf_seconds(links, leaf_group[1], leaf_group[0], rest, nbytes)
 
 
+def best_tree(links: Links, root: int) -> tuple[int, ...]:
+    """The numbering (root first) whose binomial broadcast is fastest; () when the native one is as fast. Every
+    numbering up to TREE_SEARCH ranks; above, greedily: each next virtual rank takes the rank with the fastest link
+    from its tree parent (v's parent is v without its highest bit)."""
+    p = len(links.bw)
+    native = native_vranks(p, root)
+    if p <= TREE_SEARCH:
+        candidates = [(root, *perm) for perm in itertools.permutations(native[1:])]
+    else:
+        greedy, left = [root], list(native[1:])
+        for v in range(1, p):
+            parent = greedy[v ^ (1 << (v.bit_length() - 1))]
+            pick = max(left, key=lambda r: (min(links.bw[parent][r], links.cap[r]), -left.index(r)))
+            greedy.append(pick)
+            left.remove(pick)
+        candidates = [native, tuple(greedy)]
+    best = min(candidates, key=lambda o: (tree_seconds(links, o, REFERENCE_BYTES), o != native))
+    return () if best == native else best
+
+
+def choose_rooted(links: Links, kind: str) -> Choice:
+    """reduce and broadcast: a numbering for every root at once, so that each call maps its root."""
+    p = len(links.bw)
+    if kind == "broadcast":
+        roots = tuple(best_tree(links, r) for r in range(p))
+        return Choice(algo="reordered", roots=roots) if any(roots) else NATIVE
+    order = best_order(links, list(range(p)))
+    # gloo's reduce moves as many bytes into the root as an all-reduce does: only a slow link into the root tips it
+    via = tuple(r for r in range(p) if reduce_seconds(links, order, (r,), r, REFERENCE_BYTES)
+                < SWITCH * reduce_seconds(links, order, (), r, REFERENCE_BYTES))
+    if order == tuple(range(p)) and not via:
+        return NATIVE
+    return Choice(algo="reordered", order=order, via_all_reduce=via)
+
+
 def choose(links: Links, kind: str) -> Choice:
     """The best plan for `kind` at the reference size (and, for a leaf plan, from which size on it pays)."""
     p = len(links.bw)
     if not links.congested:
         return NATIVE
+    if kind in ("reduce", "broadcast"):
+        return min([NATIVE, choose_rooted(links, kind)], key=lambda c: seconds(links, kind, c, REFERENCE_BYTES))
     candidates = [NATIVE]
     order = best_order(links, list(range(p)))
     if order != tuple(range(p)):

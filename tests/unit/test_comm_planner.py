@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dtk.comm.planner import NATIVE, Links, PlanState, choose, seconds
+from dtk.comm.planner import KINDS, NATIVE, Links, PlanState, choose, native_vranks, seconds
 from dtk.testbed import shape
 from dtk.errors import DtkError
 
@@ -29,7 +29,7 @@ def test_no_congestion_keeps_native_even_with_noise():
     noise = [[1.0, 0.5, 1.7, 0.6], [0.9, 1.0, 0.4, 1.3], [1.1, 2.0, 1.0, 0.7], [0.5, 1.2, 0.8, 1.0]]
     links = Links(matrix(4, noise=noise))
     assert links.congested == []
-    for kind in ("all_reduce", "all_gather", "reduce_scatter"):
+    for kind in KINDS:
         assert choose(links, kind) == NATIVE
 
 
@@ -58,15 +58,46 @@ def test_congested_host_becomes_a_leaf_with_the_result_on_another_connection():
 def test_plan_changes_with_evidence_and_returns_to_native_only_after_clean_probes():
     state = PlanState()
     d = state.update(matrix(4, slow_pairs=[(1, 2)]), reason="test")
-    assert set(d.changed) == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert set(d.changed) == set(KINDS)
     assert d.evidence["congested_links"][0]["link"] == "1-2"
     again = state.update(matrix(4, slow_pairs=[(1, 2)]), reason="test")
     assert again.changed == []  # same evidence, same plan
     first_clean = state.update(matrix(4), reason="test")
     assert first_clean.changed == [] and state.plan["all_reduce"] != NATIVE
     second_clean = state.update(matrix(4), reason="test")
-    assert set(second_clean.changed) == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert set(second_clean.changed) == set(KINDS)
     assert all(c == NATIVE for c in state.plan.values())
+
+
+def tree_edges(vranks):
+    """gloo's binomial broadcast: virtual rank v < 2^i sends to v + 2^i in round i."""
+    p, out, step = len(vranks), set(), 1
+    while step < p:
+        out |= {frozenset((vranks[v], vranks[v + step])) for v in range(min(step, p - step))}
+        step *= 2
+    return out
+
+
+@pytest.mark.parametrize("p", [4, 5, 8])  # 8: above TREE_SEARCH, the greedy numbering
+def test_congested_pair_keeps_every_roots_broadcast_tree_off_it(p):
+    links = Links(matrix(p, slow_pairs=[(0, 1)]))
+    c = choose(links, "broadcast")
+    assert c.algo == "reordered" and len(c.roots) == p
+    for root, numbering in enumerate(c.roots):
+        vranks = numbering or native_vranks(p, root)  # () keeps the native numbering, rotated to the root
+        assert vranks[0] == root and sorted(vranks) == list(range(p))
+        assert frozenset((0, 1)) not in tree_edges(vranks), (root, vranks)
+    assert seconds(links, "broadcast", c, 8 << 20) < seconds(links, "broadcast", NATIVE, 8 << 20)
+
+
+def test_congested_pair_reduces_to_its_ends_by_an_all_reduce_and_to_the_others_on_a_better_ring():
+    """gloo's reduce is a ring reduce-scatter, then every rank sends its chunk straight to the root: a renumbered
+    ring avoids the pair in the first part only, so the pair's own ends are served by an all-reduce instead."""
+    links = Links(matrix(4, slow_pairs=[(0, 1)]))
+    c = choose(links, "reduce")
+    assert c.algo == "reordered" and frozenset((0, 1)) not in edges(c.order)
+    assert c.via_all_reduce == (0, 1)
+    assert seconds(links, "reduce", c, 8 << 20) < 0.3 * seconds(links, "reduce", NATIVE, 8 << 20)
 
 
 @pytest.mark.parametrize("spec, message", [
