@@ -23,7 +23,6 @@ from dtk.resilience import protocol as keys
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 0.05
-BEAT_SECONDS = 0.25
 FENCED_EXIT = 76
 """Exit code of a rank whose node was taken for lost: another process holds its rank now."""
 
@@ -71,7 +70,7 @@ class Control:
                 key = keys.failure(generation)
                 if Seam.failed_generation != generation and self._watch_store.check([key]):
                     Seam.release(self._watch_store.get(key).decode(), generation=generation)
-                if time.monotonic() - last_beat > BEAT_SECONDS:
+                if time.monotonic() - last_beat > keys.BEAT_SECONDS:
                     outstanding = sum(len(g.outstanding) for g in Seam.groups)
                     self._watch_store.set(keys.beat(self.rank), json.dumps(
                         {"step": self.step, "t": time.time(), "outstanding": outstanding, "phase": self.phase,

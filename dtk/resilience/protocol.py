@@ -107,9 +107,14 @@ def replaced(node: int, seq: int) -> str:
 
 # -- dtk/a<attempt>/: one attempt's processes --
 
+BEAT_SECONDS = 0.25
+"""How often a rank writes its beat."""
+
+
 def beat(rank: int) -> str:
-    """{step, t, outstanding, phase, step_s, token}: `rank`'s heartbeat. Written by its Control thread; read by
-    every launcher's HangWatch, and by node 0 to fence a lost node's processes (by token)."""
+    """{step, t, outstanding, phase, still_s, step_s, token}: `rank`'s heartbeat, every BEAT_SECONDS. Written by its
+    Control thread; read by every launcher's HangWatch, and by node 0 to fence a lost node's processes (by token).
+    `still_s`: how long the rank's main thread has not moved on (a new step or phase), by the rank's own clock."""
     return f"beat/{rank}"
 
 

@@ -41,7 +41,9 @@ class HangWatch:
 
     A hang is found within the timeout of the rank's last progress, this watch's poll included: a beat says how long
     its rank has been still by the rank's own clock (`still_s`, no clock shared between hosts is needed), this
-    watch adds how long ago it first read that beat, and it declares the hang one poll before the timeout."""
+    watch adds how long ago it first read that beat, and it declares the hang early by what it may not have seen: one
+    beat period (the beat it read may have been written that long ago) and one poll of its own (the next poll may
+    come that much after the timeout)."""
 
     POLL_S = 0.25
 
@@ -102,9 +104,8 @@ class HangWatch:
                 beats[r] = json.loads(control.get(keys.beat(r)))
                 self.phases[r] = beats[r].get("phase", "train")
                 still[r] = self._still_s(r, beats[r], now)
-        # one poll early: the next poll may come that much after the timeout
         timeout = self.timeout_s({b.get("phase", "train") for b in beats.values()})
-        timeout -= min(self.POLL_S, timeout / 4)
+        timeout -= min(self.POLL_S + keys.BEAT_SECONDS, timeout / 4)
         stalled = [r for r in beats if r not in self.hung and still[r] > timeout]
         if len(stalled) < len(beats):
             return []  # someone still makes progress: a slow step, not a hang

@@ -21,15 +21,15 @@ def _check(watch: HangWatch, store: dist.Store) -> list[int]:
     return watch.check(store, [0, 1, 2])
 
 
-def test_a_hang_is_declared_one_poll_before_the_timeout_and_only_the_idle_rank_is_blamed():
+def test_a_hang_is_declared_a_beat_and_a_poll_before_the_timeout_and_only_the_idle_rank_is_blamed():
     store = dist.HashStore()
     watch = HangWatch(fixed_s=5.0)
-    for t, still in enumerate([4.5, 4.7]):  # within the timeout, one poll of slack left: not yet
+    for t, still in enumerate([4.2, 4.45]):  # more than a beat and a poll before the timeout: not yet
         for r in range(3):
             _beat(store, r, still_s=still, outstanding=0 if r == 1 else 1, t=float(t))
         assert _check(watch, store) == []
-    for r in range(3):  # the next poll may come 0.25 s later, past the timeout: declare it now
-        _beat(store, r, still_s=4.8, outstanding=0 if r == 1 else 1, t=2.0)
+    for r in range(3):  # the beat may be 0.25 s old and the next poll 0.25 s later: declare it now
+        _beat(store, r, still_s=4.55, outstanding=0 if r == 1 else 1, t=2.0)
     assert _check(watch, store) == [1]
     assert _check(watch, store) == []  # once
 
