@@ -266,8 +266,9 @@ def _finish(supervisor: Supervisor, *, host: Host, role: NodeRole, code: int, st
     run_dir, node, world = supervisor.run_dir, topology.node_rank, supervisor.world
     try:
         finalize_failures(supervisor.failures, run_dir=run_dir, store=store, world=world)
-        write_summary(run_dir, wall_seconds=time.time() - supervisor.t_start,
-                      failures=supervisor.failures + supervisor.remote_failures, exit_code=code, shadows=shadows,
+        failures = [f.to_dict() for f in supervisor.failures + supervisor.remote_failures]
+        write_summary(run_dir, wall_seconds=time.time() - supervisor.t_start, failures=failures, exit_code=code,
+                      shadows=shadows,
                       name="summary.json" if node == 0 else f"summary-node{node}.json", world_size=world,
                       faults_fired=supervisor.board.fired_ids(),
                       resilience={"mode": supervisor.recipe.resilience.mode, **supervisor.hangs.describe()})
