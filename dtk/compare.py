@@ -15,6 +15,7 @@ from rich.table import Table
 from dtk import recipe as recipes
 from dtk.errors import DtkError
 from dtk.report import human_bytes
+from dtk.resilience.failures import FailureRecord
 
 STRATEGY_NAMES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "gcpsl", "gcpsl_serial")
 # the serial split-learning baseline runs every cluster on one rank, whatever the recipe's world
@@ -222,6 +223,8 @@ def _record(v: Variant, *, code: int, run_dir: Path, params: int, world: int) ->
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     states, states_formula = model_state_analytic(v.recipe, params=params, world=world)
+    failures = [FailureRecord.from_dict(f) for f in summary.get("failures", [])]
+    downtimes = [f.figures.downtime_s for f in failures if f.figures and f.figures.downtime_s is not None]
     comm, comm_formula = comm_analytic(v.recipe, params=params, world=world)
     return {
         "variant": v.name,
@@ -251,9 +254,9 @@ def _record(v: Variant, *, code: int, run_dir: Path, params: int, world: int) ->
         "comm_by_kind": summary.get("comm", {}).get("by_kind", {}),
         "final_loss": summary.get("final_loss"),
         "eval_loss": summary.get("eval_loss"),
-        "failures": len(summary.get("failures", [])),
-        "downtime_s": sum(f["downtime_s"] for f in summary.get("failures", []) if f.get("downtime_s") is not None),
-        "steps_lost": sum(f.get("steps_lost") or 0 for f in summary.get("failures", [])),
+        "failures": len(failures),
+        "downtime_s": sum(downtimes),
+        "steps_lost": sum(f.steps_lost or 0 for f in failures),
         "productive_time_ratio": summary.get("productive_time_ratio"),
         "losses": summary.get("losses", []),
         "max_rel_loss_diff": None,
