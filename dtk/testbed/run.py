@@ -20,6 +20,7 @@ from dtk.errors import DtkError
 from dtk.metrics import append_event
 from dtk.parentdeath import die_with_parent
 from dtk.resilience import faults as fl
+from dtk.resilience.failures import FailureRecord
 from dtk.resilience import protocol as keys
 from dtk.testbed import shape
 from dtk.testbed.net import Testbed
@@ -199,7 +200,8 @@ class TestbedRun:
                   f"other nodes' in {self.run_dir / 'logs'}/launcher<N>.log", file=sys.stderr)
             return codes[0] or 1
         # a node lost mid-run and recovered in place by node 0 ended badly, yet the run did not
-        lost = {f["node_lost"] for f in json.loads(summary.read_text()).get("failures", []) if "node_lost" in f}
+        failures = map(FailureRecord.from_dict, json.loads(summary.read_text()).get("failures", []))
+        lost = {f.node_lost for f in failures if f.node_lost is not None}
         others_ok = all(c == 0 or node in lost for node, c in enumerate(codes[1:], start=1))
         return codes[0] if codes[0] != 0 or others_ok else 1
 
