@@ -114,8 +114,7 @@ def train(
     parsed = [fl.parse(spec, world=world, fault_id=f"f{i}", hosts=testbed or None, nodes=testbed or nnodes)
               for i, spec in enumerate(fault or [])]
     fl.check_reachable(parsed, steps=r.training.steps, mode=r.resilience.mode)
-    if any(f.kind == "corrupt" for f in parsed) and not r.resilience.checksum_every:
-        r.resilience.checksum_every = 1  # a corruption must be caught, never trained on
+    fl.arm_checksums(r.resilience, faults=parsed)
     if testbed:
         from dtk.testbed.run import train_on_testbed
 
@@ -317,9 +316,6 @@ def compare(
         raise DtkError(f"--mtbf-fault: got {mtbf_fault!r}; accepted: {', '.join(one_rank)}")
     schedule = fl.random_schedule(mtbf_s=fl.parse_duration(mtbf, "--mtbf"), seed=seed,
                                   world=min(v.recipe.world.nproc for v in variants)) if mtbf else []
-    if mtbf_fault == "corrupt" and schedule:
-        for v in variants:
-            v.recipe.resilience.checksum_every = v.recipe.resilience.checksum_every or 1
     folder = cmp.prepare_out_dir(out_dir, recipe)
     command = "dtk " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     result = cmp.run(recipe_path=recipe, variants=variants, out_dir=folder, command=command, console=out,
@@ -379,9 +375,7 @@ def inject_failure(
     schedule = fl.random_schedule(mtbf_s=fl.parse_duration(mtbf, "--mtbf"), seed=seed, world=world) if mtbf else []
     if not parsed and not schedule:
         raise DtkError("--fault: none given; accepted: --fault KIND:rank=R,step=S (repeatable) or --mtbf 30s")
-    if any(f.kind == "corrupt" for f in parsed) or mtbf_fault == "corrupt":
-        if not r.resilience.checksum_every:
-            r.resilience.checksum_every = 1  # a corruption must be caught, never trained on
+    fl.arm_checksums(r.resilience, faults=parsed, random_kind=mtbf_fault)
     code, run_dir = launch(r, recipe_path=recipe_path, show_progress=progress, inject=parsed,
                            fault_schedule=schedule, schedule_kind=mtbf_fault)
     _print_recovery_report(run_dir)

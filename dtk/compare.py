@@ -15,6 +15,7 @@ from rich.table import Table
 from dtk import recipe as recipes
 from dtk.errors import DtkError
 from dtk.report import human_bytes
+from dtk.resilience import faults as fl
 from dtk.resilience.failures import FailureRecord
 
 STRATEGY_NAMES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "gcpsl", "gcpsl_serial")
@@ -289,8 +290,8 @@ def run(*, recipe_path: str, variants: list[Variant], out_dir: Path, command: st
         v.recipe.output.dir = str(out_dir / v.name)
         console.print(f"[bold]\\[{i}/{len(variants)}] {v.name}[/]: {' '.join(v.overrides) or '(the recipe as is)'}",
                       highlight=False)
-        if inject and any(f.kind == "corrupt" for f in inject) and not v.recipe.resilience.checksum_every:
-            v.recipe.resilience.checksum_every = 1  # a corruption must be caught, never trained on
+        fl.arm_checksums(v.recipe.resilience, faults=inject or [],
+                         random_kind=schedule_kind if fault_schedule else None)
         if testbed:
             from dtk.testbed.run import train_on_testbed
 

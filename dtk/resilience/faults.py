@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from dtk.errors import DtkError
 from dtk.metrics import append_event
+from dtk.recipe import ResilienceConfig
 from dtk.resilience.congestion import parse as parse_congestion
 from dtk.resilience import protocol as keys
 
@@ -129,6 +130,13 @@ def check_reachable(parsed: list, *, steps: int, mode: str, flag: str = "--fault
                          f"resilience.mode=inplace")
     if lines:
         raise DtkError(*lines)
+
+
+def arm_checksums(resilience: ResilienceConfig, *, faults: list, random_kind: str | None = None) -> None:
+    """A corruption must be caught, never trained on: a run given a corrupt fault (in `faults`, or random faults of
+    `random_kind`) checks its state's checksum every step, unless resilience.checksum_every already says how often."""
+    if random_kind == "corrupt" or any(f.kind == "corrupt" for f in faults):
+        resilience.checksum_every = resilience.checksum_every or 1
 
 
 def _host_rank(spec: str, fields: dict[str, str], *, world: int, nodes: int | None, flag: str) -> str:

@@ -145,7 +145,8 @@ class _Membership:
         """The nodes whose launcher has not reached the store yet."""
         return [k for k in range(1, self.nnodes) if not self.store.check([keys.joined(k)])]
 
-    def say_stop_and_leave(self, code: int, *, fenced: bool, messages: list[str], failures: list[FailureRecord]) -> None:
+    def say_stop_and_leave(self, code: int, *, fenced: bool, messages: list[str],
+                           failures: list[FailureRecord]) -> None:
         """A failed node tells the others to stop (unless node 0 fenced it: node 0 carries on); every node says it
         has left."""
         if code != 0 and not fenced and not self.store.check([keys.STOPPED]):
