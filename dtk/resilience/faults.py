@@ -188,20 +188,15 @@ class FaultBoard:
     attributed: set[str] = field(default_factory=set)
     """The fired faults already named as a failure's cause."""
     _next_random: int = 0
-    _live_count: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def deliver(self, fault: Fault) -> None:
         """Announce a fault to its rank (read at start-up and polled while running)."""
         announce(self.run_store, fault)
 
-    def live(self, specs: list[str]) -> list[str]:
-        """From `dtk inject-failure --run`: parse (DtkError on a bad one: nothing is scheduled) and deliver."""
-        with self._lock:
-            start = self._live_count
-            self._live_count += len(specs)
-        parsed = [parse(s, world=self.world, fault_id=f"live{start + i}", flag="fault", nodes=self.nnodes)
-                  for i, s in enumerate(specs)]
+    def live(self, specs: list[str], ids: list[str]) -> list[str]:
+        """From `dtk inject-failure --run` (dtk.resilience.live): parse (DtkError on a bad one: nothing is scheduled)
+        and deliver, each under its id."""
+        parsed = [parse(s, world=self.world, fault_id=i, flag="fault", nodes=self.nnodes) for s, i in zip(specs, ids)]
         check_reachable(parsed, steps=self.steps, mode=self.mode, flag="fault")
         for f in parsed:
             self.deliver(f)
