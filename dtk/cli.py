@@ -115,22 +115,17 @@ def train(
               for i, spec in enumerate(fault or [])]
     fl.check_reachable(parsed, steps=r.training.steps, mode=r.resilience.mode)
     fl.arm_checksums(r.resilience, faults=parsed)
-    if testbed:
-        from dtk.testbed.run import train_on_testbed
-
-        code, run_dir = train_on_testbed(r, recipe_path=recipe, hosts=testbed, faults=parsed, show_progress=progress)
-        raise typer.Exit(code)
-    from dtk.launch import launch  # imports torch: only once the input is known to be good
+    from dtk.launch import run_here  # imports torch: only once the input is known to be good
     from dtk.rendezvous import Topology
 
     topo = Topology(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=endpoint)
-    code, run_dir = launch(r, recipe_path=recipe, topology=topo, show_progress=progress, inject=parsed,
-                           live_control=live_control)
+    code, run_dir = run_here(r, recipe_path=recipe, testbed=testbed, topology=topo, show_progress=progress,
+                             inject=parsed, live_control=live_control)
     if node_rank:  # node 0 prints the run's result; another node says how its own part ended
         state = {0: "done", 130: "interrupted", 143: "interrupted (SIGTERM)"}.get(code, "failed")
         out.print(f"node {node_rank}: {state}; its summary: {run_dir / f'summary-node{node_rank}.json'} "
                   f"(node 0 writes the run's summary.json)", highlight=False)
-    else:
+    elif not testbed:  # on a test bed, node 0's launcher printed it (its emulated host's `dtk train`)
         _print_run_result(run_dir, code)
     raise typer.Exit(code)
 

@@ -275,7 +275,7 @@ def run(*, recipe_path: str, variants: list[Variant], out_dir: Path, command: st
     """Run the variants one after another (they must not share the CPU), each in its own run folder; with `testbed`
     each on its own emulated network of that many hosts (world.nproc ranks per host). `fault_schedule` ((seconds
     after start, rank), --mtbf): the same random faults of `schedule_kind` for every variant."""
-    from dtk.launch import launch
+    from dtk.launch import run_here
 
     comparison = Comparison(out_dir=out_dir, command=command, parity_tolerance=parity_tolerance,
                             faults=[f.as_fault() if f.kind == "congest" else f.spec() for f in inject or []]
@@ -292,15 +292,9 @@ def run(*, recipe_path: str, variants: list[Variant], out_dir: Path, command: st
                       highlight=False)
         fl.arm_checksums(v.recipe.resilience, faults=inject or [],
                          random_kind=schedule_kind if fault_schedule else None)
-        if testbed:
-            from dtk.testbed.run import train_on_testbed
-
-            code, run_dir = train_on_testbed(v.recipe, recipe_path=recipe_path, hosts=testbed,
-                                             faults=list(inject or []), show_progress=show_progress)
-        else:
-            code, run_dir = launch(v.recipe, recipe_path=recipe_path, show_progress=show_progress,
-                                   inject=list(inject or []), fault_schedule=list(fault_schedule or []),
-                                   schedule_kind=schedule_kind)
+        code, run_dir = run_here(v.recipe, recipe_path=recipe_path, testbed=testbed, show_progress=show_progress,
+                                 inject=list(inject or []), fault_schedule=list(fault_schedule or []),
+                                 schedule_kind=schedule_kind)
         record = _record(v, code=code, run_dir=run_dir, params=counts[key],
                          world=v.recipe.world.nproc * max(testbed, 1))
         if code != 0:
