@@ -282,9 +282,8 @@ def _finish(supervisor: Supervisor, *, host: Host, role: NodeRole, code: int, st
         finalize_failures(supervisor.failures, run_dir=run_dir, store=store, world=world)
         failures = [f.to_dict() for f in supervisor.failures + supervisor.remote_failures]
         write_summary(run_dir, wall_seconds=time.time() - supervisor.t_start, failures=failures, exit_code=code,
-                      shadows=shadows,
-                      name="summary.json" if node == 0 else f"summary-node{node}.json", world_size=world,
-                      faults_fired=supervisor.board.fired_ids(),
+                      shadows=shadows, name="summary.json" if node == 0 else f"summary-node{node}.json",
+                      world_size=world, faults_fired=supervisor.board.fired_ids(),
                       resilience={"mode": supervisor.recipe.resilience.mode, **supervisor.hangs.describe()})
     except OSError as e:
         if e.errno != errno.ENOSPC:
