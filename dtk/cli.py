@@ -114,24 +114,18 @@ def train(
     parsed = [fl.parse(spec, world=world, fault_id=f"f{i}", hosts=testbed or None, nodes=testbed or nnodes)
               for i, spec in enumerate(fault or [])]
     fl.check_reachable(parsed, steps=r.training.steps, mode=r.resilience.mode)
-    if any(f.kind == "corrupt" for f in parsed) and not r.resilience.checksum_every:
-        r.resilience.checksum_every = 1  # a corruption must be caught, never trained on
-    if testbed:
-        from dtk.testbed.run import train_on_testbed
-
-        code, run_dir = train_on_testbed(r, recipe_path=recipe, hosts=testbed, faults=parsed, show_progress=progress)
-        raise typer.Exit(code)
-    from dtk.launch import launch  # imports torch: only once the input is known to be good
+    fl.arm_checksums(r.resilience, faults=parsed)
+    from dtk.launch import run_here  # imports torch: only once the input is known to be good
     from dtk.rendezvous import Topology
 
     topo = Topology(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=endpoint)
-    code, run_dir = launch(r, recipe_path=recipe, topology=topo, show_progress=progress, inject=parsed,
-                           live_control=live_control)
+    code, run_dir = run_here(r, recipe_path=recipe, testbed=testbed, topology=topo, show_progress=progress,
+                             inject=parsed, live_control=live_control)
     if node_rank:  # node 0 prints the run's result; another node says how its own part ended
         state = {0: "done", 130: "interrupted", 143: "interrupted (SIGTERM)"}.get(code, "failed")
         out.print(f"node {node_rank}: {state}; its summary: {run_dir / f'summary-node{node_rank}.json'} "
                   f"(node 0 writes the run's summary.json)", highlight=False)
-    else:
+    elif not testbed:  # on a test bed, node 0's launcher printed it (its emulated host's `dtk train`)
         _print_run_result(run_dir, code)
     raise typer.Exit(code)
 
@@ -140,6 +134,7 @@ def _print_run_result(run_dir, code: int) -> None:
     import json
 
     from dtk.report import human_bytes
+    from dtk.resilience.failures import FailureRecord
 
     try:
         summary = json.loads((run_dir / "summary.json").read_text())
@@ -154,9 +149,10 @@ def _print_run_result(run_dir, code: int) -> None:
                   f"comm {human_bytes(summary['comm']['bytes_per_step'])}/step"
                   + (f", eval loss {summary['eval_loss']:.4f}" if summary.get("eval_loss") is not None else "")
                   + f"; run folder {run_dir}")
-        for f in summary["failures"]:
-            out.print(f"  recovered: rank {f['rank']} ({f['fault']}) at step {f.get('step')}, "
-                      f"downtime {_fmt(f.get('downtime_s'))}s, {f.get('steps_lost', 0)} steps lost", highlight=False)
+        for f in map(FailureRecord.from_dict, summary["failures"]):
+            out.print(f"  recovered: rank {f.rank} ({f.fault}) at step {f.step}, "
+                      f"downtime {_fmt(f.figures and f.figures.downtime_s)}s, {f.steps_lost or 0} steps lost",
+                      highlight=False)
     elif code in (130, 143):  # Ctrl-C; SIGTERM (Slurm, Kubernetes), after the ranks saved the step they were at
         from dtk.resilience import checkpoint
 
@@ -315,9 +311,6 @@ def compare(
         raise DtkError(f"--mtbf-fault: got {mtbf_fault!r}; accepted: {', '.join(one_rank)}")
     schedule = fl.random_schedule(mtbf_s=fl.parse_duration(mtbf, "--mtbf"), seed=seed,
                                   world=min(v.recipe.world.nproc for v in variants)) if mtbf else []
-    if mtbf_fault == "corrupt" and schedule:
-        for v in variants:
-            v.recipe.resilience.checksum_every = v.recipe.resilience.checksum_every or 1
     folder = cmp.prepare_out_dir(out_dir, recipe)
     command = "dtk " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     result = cmp.run(recipe_path=recipe, variants=variants, out_dir=folder, command=command, console=out,
@@ -377,9 +370,7 @@ def inject_failure(
     schedule = fl.random_schedule(mtbf_s=fl.parse_duration(mtbf, "--mtbf"), seed=seed, world=world) if mtbf else []
     if not parsed and not schedule:
         raise DtkError("--fault: none given; accepted: --fault KIND:rank=R,step=S (repeatable) or --mtbf 30s")
-    if any(f.kind == "corrupt" for f in parsed) or mtbf_fault == "corrupt":
-        if not r.resilience.checksum_every:
-            r.resilience.checksum_every = 1  # a corruption must be caught, never trained on
+    fl.arm_checksums(r.resilience, faults=parsed, random_kind=mtbf_fault)
     code, run_dir = launch(r, recipe_path=recipe_path, show_progress=progress, inject=parsed,
                            fault_schedule=schedule, schedule_kind=mtbf_fault)
     _print_recovery_report(run_dir)
@@ -408,20 +399,23 @@ def _fmt(x) -> str:
 def _print_recovery_report(run_dir) -> None:
     import json
 
+    from dtk.resilience.failures import FailureRecord, Figures
+
     summary = json.loads((run_dir / "summary.json").read_text())
+    records = [FailureRecord.from_dict(f) for f in summary["failures"]]
+    figures = [f.figures or Figures(detect_s=None, downtime_s=None) for f in records]
     table = Table(title="recovery report")
     for col in ("fault", "rank", "step", "recovery", "replaced by", "detect s", "downtime s", "steps lost"):
         table.add_column(col, no_wrap=True)
-    stages = sorted({k for f in summary["failures"] for k in f.get("breakdown_s", {})},
+    stages = sorted({k for c in figures for k in c.breakdown_s or {}},
                     key=lambda k: list(STAGE_ORDER).index(k) if k in STAGE_ORDER else 99)
-    for f in summary["failures"]:
-        recovery = f.get("recovery", "in place" if "recovery_s" in f else "none (stopped)")
-        by = [x for x in f.get("replacements", []) if x["rank"] == f["rank"]]
-        table.add_row(str(f["fault"]), str(f["rank"]), str(f["step"]), recovery,
+    for f, cost in zip(records, figures):
+        by = [x for x in (f.in_place.replacements if f.in_place else []) if x["rank"] == f.rank]
+        table.add_row(f.fault, str(f.rank), str(f.step), f.recovery,
                       by[-1]["replacement"] + (f" {by[-1]['shadow']}" if "shadow" in by[-1] else "") if by else "-",
-                      _fmt(f.get("detect_s")), _fmt(f.get("downtime_s")), str(f.get("steps_lost", "-")))
-    downtimes = [f["downtime_s"] for f in summary["failures"] if f.get("downtime_s") is not None]
-    lost = sum(f.get("steps_lost") or 0 for f in summary["failures"])
+                      _fmt(cost.detect_s), _fmt(cost.downtime_s), "-" if f.steps_lost is None else str(f.steps_lost))
+    downtimes = [c.downtime_s for c in figures if c.downtime_s is not None]
+    lost = sum(f.steps_lost or 0 for f in records)
     table.add_row("total", "", "", "", "", "", _fmt(sum(downtimes)) if downtimes else "-", str(lost))
     out.print(table)
     if stages:
@@ -429,9 +423,9 @@ def _print_recovery_report(run_dir) -> None:
         parts.add_column("fault")
         for k in stages:
             parts.add_column(k.replace("_", " "), no_wrap=True)
-        for f in summary["failures"]:
-            b = f.get("breakdown_s", {})
-            parts.add_row(f"{f['fault']}@{f['step']}", *(_fmt(b.get(k)) for k in stages))
+        for f, cost in zip(records, figures):
+            b = cost.breakdown_s or {}
+            parts.add_row(f"{f.fault}@{f.step}", *(_fmt(b.get(k)) for k in stages))
         out.print(parts)
     out.print(f"productive time ratio: {summary['productive_time_ratio']:.3f} "
               f"(useful step time / wall time {summary['wall_seconds']:.1f}s)", highlight=False)

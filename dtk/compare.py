@@ -15,6 +15,8 @@ from rich.table import Table
 from dtk import recipe as recipes
 from dtk.errors import DtkError
 from dtk.report import human_bytes
+from dtk.resilience import faults as fl
+from dtk.resilience.failures import FailureRecord
 
 STRATEGY_NAMES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "gcpsl", "gcpsl_serial")
 # the serial split-learning baseline runs every cluster on one rank, whatever the recipe's world
@@ -222,6 +224,8 @@ def _record(v: Variant, *, code: int, run_dir: Path, params: int, world: int) ->
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     states, states_formula = model_state_analytic(v.recipe, params=params, world=world)
+    failures = [FailureRecord.from_dict(f) for f in summary.get("failures", [])]
+    downtimes = [f.figures.downtime_s for f in failures if f.figures and f.figures.downtime_s is not None]
     comm, comm_formula = comm_analytic(v.recipe, params=params, world=world)
     return {
         "variant": v.name,
@@ -251,9 +255,9 @@ def _record(v: Variant, *, code: int, run_dir: Path, params: int, world: int) ->
         "comm_by_kind": summary.get("comm", {}).get("by_kind", {}),
         "final_loss": summary.get("final_loss"),
         "eval_loss": summary.get("eval_loss"),
-        "failures": len(summary.get("failures", [])),
-        "downtime_s": sum(f["downtime_s"] for f in summary.get("failures", []) if f.get("downtime_s") is not None),
-        "steps_lost": sum(f.get("steps_lost") or 0 for f in summary.get("failures", [])),
+        "failures": len(failures),
+        "downtime_s": sum(downtimes),
+        "steps_lost": sum(f.steps_lost or 0 for f in failures),
         "productive_time_ratio": summary.get("productive_time_ratio"),
         "losses": summary.get("losses", []),
         "max_rel_loss_diff": None,
@@ -271,7 +275,7 @@ def run(*, recipe_path: str, variants: list[Variant], out_dir: Path, command: st
     """Run the variants one after another (they must not share the CPU), each in its own run folder; with `testbed`
     each on its own emulated network of that many hosts (world.nproc ranks per host). `fault_schedule` ((seconds
     after start, rank), --mtbf): the same random faults of `schedule_kind` for every variant."""
-    from dtk.launch import launch
+    from dtk.launch import run_here
 
     comparison = Comparison(out_dir=out_dir, command=command, parity_tolerance=parity_tolerance,
                             faults=[f.as_fault() if f.kind == "congest" else f.spec() for f in inject or []]
@@ -286,17 +290,11 @@ def run(*, recipe_path: str, variants: list[Variant], out_dir: Path, command: st
         v.recipe.output.dir = str(out_dir / v.name)
         console.print(f"[bold]\\[{i}/{len(variants)}] {v.name}[/]: {' '.join(v.overrides) or '(the recipe as is)'}",
                       highlight=False)
-        if inject and any(f.kind == "corrupt" for f in inject) and not v.recipe.resilience.checksum_every:
-            v.recipe.resilience.checksum_every = 1  # a corruption must be caught, never trained on
-        if testbed:
-            from dtk.testbed.run import train_on_testbed
-
-            code, run_dir = train_on_testbed(v.recipe, recipe_path=recipe_path, hosts=testbed,
-                                             faults=list(inject or []), show_progress=show_progress)
-        else:
-            code, run_dir = launch(v.recipe, recipe_path=recipe_path, show_progress=show_progress,
-                                   inject=list(inject or []), fault_schedule=list(fault_schedule or []),
-                                   schedule_kind=schedule_kind)
+        fl.arm_checksums(v.recipe.resilience, faults=inject or [],
+                         random_kind=schedule_kind if fault_schedule else None)
+        code, run_dir = run_here(v.recipe, recipe_path=recipe_path, testbed=testbed, show_progress=show_progress,
+                                 inject=list(inject or []), fault_schedule=list(fault_schedule or []),
+                                 schedule_kind=schedule_kind)
         record = _record(v, code=code, run_dir=run_dir, params=counts[key],
                          world=v.recipe.world.nproc * max(testbed, 1))
         if code != 0:

@@ -36,6 +36,7 @@ from dtk.resilience.shadow import ShadowPool
 from dtk.resilience.supervisor import NodeRole, Supervisor
 from dtk.rendezvous import Topology, open_store
 from dtk.rundir import prepare_run_dir
+from dtk.testbed.run import train_on_testbed
 
 SHADOW_IDS_PER_NODE = 1000
 
@@ -182,6 +183,19 @@ class Host:
         return summary
 
 
+def run_here(recipe: recipes.Recipe, *, recipe_path: str | None, testbed: int, inject: list, show_progress: bool,
+             topology: Topology | None = None, fault_schedule: list | None = None, schedule_kind: str = "kill",
+             live_control: bool = True) -> tuple[int, Path]:
+    """Run the recipe on this machine; (exit code, run folder). With `testbed` hosts: on an emulated network of that
+    many (dtk.testbed.run, whose driver starts one launcher per host, serves `dtk inject-failure --run` and sets the
+    topology; it takes no random faults), else as this node's launcher (`launch`)."""
+    if testbed:
+        return train_on_testbed(recipe, recipe_path=recipe_path, hosts=testbed, faults=inject,
+                                show_progress=show_progress)
+    return launch(recipe, recipe_path=recipe_path, topology=topology, show_progress=show_progress, inject=inject,
+                  fault_schedule=fault_schedule, schedule_kind=schedule_kind, live_control=live_control)
+
+
 def launch(recipe: recipes.Recipe, *, recipe_path: str | None, topology: Topology | None = None,
            show_progress: bool = True, inject: list | None = None, fault_schedule: list | None = None,
            schedule_kind: str = "kill", live_control: bool = True) -> tuple[int, Path]:
@@ -266,10 +280,10 @@ def _finish(supervisor: Supervisor, *, host: Host, role: NodeRole, code: int, st
     run_dir, node, world = supervisor.run_dir, topology.node_rank, supervisor.world
     try:
         finalize_failures(supervisor.failures, run_dir=run_dir, store=store, world=world)
-        write_summary(run_dir, wall_seconds=time.time() - supervisor.t_start,
-                      failures=supervisor.failures + supervisor.remote_failures, exit_code=code, shadows=shadows,
-                      name="summary.json" if node == 0 else f"summary-node{node}.json", world_size=world,
-                      faults_fired=supervisor.board.fired_ids(),
+        failures = [f.to_dict() for f in supervisor.failures + supervisor.remote_failures]
+        write_summary(run_dir, wall_seconds=time.time() - supervisor.t_start, failures=failures, exit_code=code,
+                      shadows=shadows, name="summary.json" if node == 0 else f"summary-node{node}.json",
+                      world_size=world, faults_fired=supervisor.board.fired_ids(),
                       resilience={"mode": supervisor.recipe.resilience.mode, **supervisor.hangs.describe()})
     except OSError as e:
         if e.errno != errno.ENOSPC:

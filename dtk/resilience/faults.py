@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from dtk.errors import DtkError
 from dtk.metrics import append_event
+from dtk.recipe import ResilienceConfig
 from dtk.resilience.congestion import parse as parse_congestion
 from dtk.resilience import protocol as keys
 
@@ -131,6 +132,13 @@ def check_reachable(parsed: list, *, steps: int, mode: str, flag: str = "--fault
         raise DtkError(*lines)
 
 
+def arm_checksums(resilience: ResilienceConfig, *, faults: list, random_kind: str | None = None) -> None:
+    """A corruption must be caught, never trained on: a run given a corrupt fault (in `faults`, or random faults of
+    `random_kind`) checks its state's checksum every step, unless resilience.checksum_every already says how often."""
+    if random_kind == "corrupt" or any(f.kind == "corrupt" for f in faults):
+        resilience.checksum_every = resilience.checksum_every or 1
+
+
 def _host_rank(spec: str, fields: dict[str, str], *, world: int, nodes: int | None, flag: str) -> str:
     """kill-host names its host (host=I) or a rank it runs (rank=R, the spelling a launcher passes on); the fault
     is fired by that rank: its first rank for host=I."""
@@ -180,20 +188,15 @@ class FaultBoard:
     attributed: set[str] = field(default_factory=set)
     """The fired faults already named as a failure's cause."""
     _next_random: int = 0
-    _live_count: int = 0
-    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def deliver(self, fault: Fault) -> None:
         """Announce a fault to its rank (read at start-up and polled while running)."""
         announce(self.run_store, fault)
 
-    def live(self, specs: list[str]) -> list[str]:
-        """From `dtk inject-failure --run`: parse (DtkError on a bad one: nothing is scheduled) and deliver."""
-        with self._lock:
-            start = self._live_count
-            self._live_count += len(specs)
-        parsed = [parse(s, world=self.world, fault_id=f"live{start + i}", flag="fault", nodes=self.nnodes)
-                  for i, s in enumerate(specs)]
+    def live(self, specs: list[str], ids: list[str]) -> list[str]:
+        """From `dtk inject-failure --run` (dtk.resilience.live): parse (DtkError on a bad one: nothing is scheduled)
+        and deliver, each under its id."""
+        parsed = [parse(s, world=self.world, fault_id=i, flag="fault", nodes=self.nnodes) for s, i in zip(specs, ids)]
         check_reachable(parsed, steps=self.steps, mode=self.mode, flag="fault")
         for f in parsed:
             self.deliver(f)

@@ -17,10 +17,13 @@ TOKEN_FILE = "control.json"
 
 
 class LiveControl:
-    def __init__(self, run_dir: Path, handle: Callable[[list[str]], list[str]]):
-        """`handle(specs)` schedules faults and returns their normalized spellings, or raises DtkError."""
+    def __init__(self, run_dir: Path, handle: Callable[[list[str], list[str]], list[str]]):
+        """`handle(specs, ids)` schedules faults, each under its id, and returns their normalized spellings, or raises
+        DtkError. The ids are the channel's: live0, live1, ... across every request (one at a time), so that no two
+        faults sent to a run share one."""
         self.path = Path(run_dir) / TOKEN_FILE
         self.handle = handle
+        self.sent = 0
         self.token = secrets.token_hex(16)
         self.sock = socket.socket()
         self.sock.bind(("127.0.0.1", 0))
@@ -43,7 +46,7 @@ class LiveControl:
                     if not hmac.compare_digest(str(request.get("token", "")), self.token):
                         reply = {"ok": False, "error": "--run: the token does not match this run's control.json"}
                     else:
-                        reply = {"ok": True, "scheduled": self.handle(list(request.get("faults", [])))}
+                        reply = {"ok": True, "scheduled": self._schedule(list(request.get("faults", [])))}
                 except DtkError as e:
                     reply = {"ok": False, "error": "; ".join(e.lines)}
                 except (ValueError, OSError) as e:
@@ -52,6 +55,11 @@ class LiveControl:
                     conn.sendall((json.dumps(reply) + "\n").encode())
                 except OSError:
                     pass
+
+    def _schedule(self, specs: list[str]) -> list[str]:
+        ids = [f"live{self.sent + i}" for i in range(len(specs))]
+        self.sent += len(specs)  # a refused request's ids are spent too
+        return self.handle(specs, ids)
 
     def close(self) -> None:
         self.sock.close()

@@ -59,6 +59,41 @@ class RunView(Protocol):
         """Give `rank` a new process that joins `generation`: a promoted shadow, else a cold start; says which."""
 
 
+@dataclass(kw_only=True)
+class InPlaceFigures:
+    """What an in-place recovery measured, for the failure record (dtk.resilience.failures.FailureRecord.in_place).
+    Times are the wall clock (time.time()); `*_s` are seconds from the detection."""
+
+    step: int
+    """The step the plan resumes the run from (the source's committed steps): the failure's step from now on."""
+    resumed_at_step: int
+    """The lowest step a rank rejoined at (below `step` when a rank rolled back to its last protection)."""
+    steps_lost: int
+    rebuilt_from: str
+    """Where the lost state came from: parity (its tier) or a peer's replica."""
+    rebuild_s: float
+    source_rank: int
+    lost_ranks: list[int]
+    """Every rank lost during the recovery, in the order they were replaced (the failed ones first)."""
+    survivors: list[int]
+    survivor_engines_kept: bool
+    """Every survivor rejoined with the engine it had before the failure (nothing rebuilt)."""
+    replacements: list[dict]
+    """{rank, generation, replacement, ...}: the process each lost rank got (RunView.replace)."""
+    rounds: int
+    released_at: float
+    notice_s: float
+    plan_at: float
+    plan_s: float
+    regrouped_at: float
+    repaired_at: float
+    repair_bytes: int
+    promote_s: float
+    regroup_s: float
+    recovery_s: float
+    """Detection to every rank rejoined."""
+
+
 @dataclass
 class Recovery:
     """One in-place recovery, maybe over several generations; its figures go into the failure record."""
@@ -71,7 +106,7 @@ class Recovery:
     generation: int = 0
     """The generation the run is in once recovered."""
 
-    def run_rounds(self, failed: set[int]) -> dict:
+    def run_rounds(self, failed: set[int]) -> InPlaceFigures:
         g, new = self.run.generation, set(failed)
         while True:
             self.rounds += 1
@@ -134,39 +169,39 @@ class Recovery:
             time.sleep(0.005)
         return got
 
-    def _figures(self, *, reports, rejoined, source, step, t_notice, t_plan) -> dict:
+    def _figures(self, *, reports, rejoined, source, step, t_notice, t_plan) -> InPlaceFigures:
         released = [v["released_at"] for v in reports.values() if v.get("released_at")]
         replaced = [v for r, v in rejoined.items() if v.get("replacement")]
         engines_kept = all(rejoined[r]["engine_id"] == v["engine_id"] for r, v in reports.items() if r in rejoined)
         back_to = min(v.get("step", step) for v in rejoined.values())
         committed = max(v["step"] for v in reports.values() if v.get("valid", True))
         rebuilt = [v["rebuilt_from"] for v in rejoined.values() if v.get("rebuilt_from")]
-        return {
-            "step": step,
-            "resumed_at_step": back_to,
-            "steps_lost": max(0, committed - back_to),
-            "rebuilt_from": rebuilt[0] if rebuilt else f"peer (rank {source})",
-            "rebuild_s": max((v.get("rebuild_s", 0.0) for v in rejoined.values()), default=0.0),
-            "source_rank": source,
-            "lost_ranks": self.lost,
-            "survivors": sorted(r for r in reports if r not in self.lost),
-            "survivor_engines_kept": engines_kept,
-            "replacements": self.replacements,
-            "rounds": self.rounds,
-            "released_at": max(released) if released else t_notice,
-            "notice_s": t_notice - self.t_detect,
-            "plan_at": t_plan,
-            "plan_s": t_plan - self.t_detect,
-            "regrouped_at": max(v["regrouped_at"] for v in rejoined.values()),
-            "repaired_at": max(v["repaired_at"] for v in rejoined.values()),
-            "repair_bytes": max((v["repair_bytes"] for v in replaced), default=0),
-            "promote_s": max((v["ready_at"] for v in replaced), default=self.t_detect) - self.t_detect,
-            "regroup_s": max(v["regroup_s"] for v in rejoined.values()),
-            "recovery_s": time.time() - self.t_detect,
-        }
+        return InPlaceFigures(
+            step=step,
+            resumed_at_step=back_to,
+            steps_lost=max(0, committed - back_to),
+            rebuilt_from=rebuilt[0] if rebuilt else f"peer (rank {source})",
+            rebuild_s=max((v.get("rebuild_s", 0.0) for v in rejoined.values()), default=0.0),
+            source_rank=source,
+            lost_ranks=self.lost,
+            survivors=sorted(r for r in reports if r not in self.lost),
+            survivor_engines_kept=engines_kept,
+            replacements=self.replacements,
+            rounds=self.rounds,
+            released_at=max(released) if released else t_notice,
+            notice_s=t_notice - self.t_detect,
+            plan_at=t_plan,
+            plan_s=t_plan - self.t_detect,
+            regrouped_at=max(v["regrouped_at"] for v in rejoined.values()),
+            repaired_at=max(v["repaired_at"] for v in rejoined.values()),
+            repair_bytes=max((v["repair_bytes"] for v in replaced), default=0),
+            promote_s=max((v["ready_at"] for v in replaced), default=self.t_detect) - self.t_detect,
+            regroup_s=max(v["regroup_s"] for v in rejoined.values()),
+            recovery_s=time.time() - self.t_detect,
+        )
 
 
-def recover_in_place(run: RunView, *, failed: set[int], t_detect: float) -> tuple[int, dict]:
+def recover_in_place(run: RunView, *, failed: set[int], t_detect: float) -> tuple[int, InPlaceFigures]:
     """Recover the run from the failure of `failed`: (the generation it runs in now, the failure's figures)."""
     recovery = Recovery(run=run, t_detect=t_detect)
     figures = recovery.run_rounds(failed)

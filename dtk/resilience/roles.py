@@ -12,6 +12,7 @@ from typing import Callable, Protocol
 import torch.distributed as dist
 
 from dtk.resilience import protocol as keys
+from dtk.resilience.failures import FailureRecord
 from dtk.resilience.nodes import Coordinator, NodeBeat, NodeReporter, NodeWatch
 from dtk.resilience.recovery import RunState, RunView
 
@@ -126,7 +127,7 @@ class SingleNode:
     def announce_restart(self, attempt: int) -> list[int] | None:
         return None
 
-    def leave(self, code: int, *, fenced: bool, messages: list[str], failures: list[dict]) -> None:
+    def leave(self, code: int, *, fenced: bool, messages: list[str], failures: list[FailureRecord]) -> None:
         pass
 
 
@@ -144,12 +145,13 @@ class _Membership:
         """The nodes whose launcher has not reached the store yet."""
         return [k for k in range(1, self.nnodes) if not self.store.check([keys.joined(k)])]
 
-    def say_stop_and_leave(self, code: int, *, fenced: bool, messages: list[str], failures: list[dict]) -> None:
+    def say_stop_and_leave(self, code: int, *, fenced: bool, messages: list[str],
+                           failures: list[FailureRecord]) -> None:
         """A failed node tells the others to stop (unless node 0 fenced it: node 0 carries on); every node says it
         has left."""
         if code != 0 and not fenced and not self.store.check([keys.STOPPED]):
             self.store.set(keys.STOPPED, json.dumps({"node": self.node, "code": code, "messages": messages,
-                                                     "failures": failures}))
+                                                     "failures": [f.to_dict() for f in failures]}))
         self.store.set(keys.left(self.node), str(code))
 
 
@@ -238,7 +240,7 @@ class LeadNode:
     def follow(self, attempt: int) -> None:
         pass
 
-    def leave(self, code: int, *, fenced: bool, messages: list[str], failures: list[dict]) -> None:
+    def leave(self, code: int, *, fenced: bool, messages: list[str], failures: list[FailureRecord]) -> None:
         """Node 0 waits (a while) for the other nodes to leave, so that none loses the store while it still reports."""
         self.members.say_stop_and_leave(code, fenced=fenced, messages=messages, failures=failures)
         deadline = time.monotonic() + LEAVE_WAIT_S
@@ -311,7 +313,7 @@ class FollowerNode:
     def announce_restart(self, attempt: int) -> list[int] | None:
         return None
 
-    def leave(self, code: int, *, fenced: bool, messages: list[str], failures: list[dict]) -> None:
+    def leave(self, code: int, *, fenced: bool, messages: list[str], failures: list[FailureRecord]) -> None:
         self.members.say_stop_and_leave(code, fenced=fenced, messages=messages, failures=failures)
 
 

@@ -18,7 +18,8 @@ from dtk import recipe as recipes
 from dtk.metrics import append_event
 from dtk.resilience import checkpoint
 from dtk.resilience import protocol as keys
-from dtk.resilience.failures import committed_steps, describe_failure, lost_during_recovery
+from dtk.resilience.failures import (CheckpointRestart, FailureRecord, committed_steps, describe_failure,
+                                     lost_during_recovery)
 from dtk.resilience.faults import FaultBoard
 from dtk.resilience.recovery import RecoveryFailed, RunState, RunView, recover_in_place
 from dtk.resilience.roles import nodes_named
@@ -94,7 +95,7 @@ class NodeRole(Protocol):
     def announce_restart(self, attempt: int) -> list[int] | None:
         """A checkpoint restart starts: the ranks this node runs in it (None: the same as before)."""
 
-    def leave(self, code: int, *, fenced: bool, messages: list[str], failures: list[dict]) -> None:
+    def leave(self, code: int, *, fenced: bool, messages: list[str], failures: list[FailureRecord]) -> None:
         """The run is over on this node: tell the others (and node 0 waits a while for them)."""
 
 
@@ -113,9 +114,9 @@ class Supervisor:
         """Node 0's line for nodes that never joined (dtk.resilience.roles.absent_line)."""
         self.hangs = HangWatch(fixed_s=recipe.resilience.heartbeat_timeout_s)
         self.storm = StormWatch()
-        self.failures: list[dict] = []
+        self.failures: list[FailureRecord] = []
         self.messages: list[str] = []
-        self.remote_failures: list[dict] = []
+        self.remote_failures: list[FailureRecord] = []
         """Failures another node's launcher reported when it stopped the run (multi-node)."""
         self.reported_dead: dict[int, dict] = {}
         """A follower's dead ranks, for node 0 to recover: rank -> {code, detected_at[, hang_detected_at]}."""
@@ -257,7 +258,7 @@ class Supervisor:
             return codes[rank]
         return self.role.remote_death(rank).get("code")  # a rank of another node (node 0 coordinates)
 
-    def _describe(self, rank: int, *, code: int | None, t_detect: float) -> dict:
+    def _describe(self, rank: int, *, code: int | None, t_detect: float) -> FailureRecord:
         local = rank in self.host.ranks()
         lost_node = None if local else self.role.lost_node_of(rank)
         hung_at = None
@@ -276,14 +277,13 @@ class Supervisor:
         t_detect = time.time()
         r = self.recipe.resilience
         records = [self._describe(q, code=self._exit_code(q), t_detect=t_detect) for q in ranks]
-        host_down = {f["node_lost"]: f["fault_time"] for f in records
-                     if f.get("node_lost") is not None and f["fault_time"]}
+        host_down = {f.node_lost: f.fault_time for f in records if f.node_lost is not None and f.fault_time}
         for f in records:  # the ranks of a host killed on purpose died when it was killed
-            if f["fault_time"] is None and f.get("node_lost") in host_down:
-                f["fault_time"] = host_down[f["node_lost"]]
-        what = " and ".join(f"rank {f['rank']} failed ({f['fault']})" for f in records)
+            if f.fault_time is None and f.node_lost in host_down:
+                f.fault_time = host_down[f.node_lost]
+        what = " and ".join(f"rank {f.rank} failed ({f.fault})" for f in records)
         # progress that a recovery keeps: committed steps in place, the latest checkpoint for a restart
-        kept = (checkpoint.latest(self.run_dir) or (0, None))[0] if r.mode == "checkpoint" else records[0]["committed"]
+        kept = (checkpoint.latest(self.run_dir) or (0, None))[0] if r.mode == "checkpoint" else records[0].committed
         self.storm.failed(committed=kept, t_detect=t_detect)
         if (stop := self._verdict(what, len(records))) is not None:
             return self._stop(records, stop)
@@ -303,11 +303,11 @@ class Supervisor:
             if absent := self.role.absent_now():
                 return self.absent_line(absent)  # the rendezvous timed out because a node never came: say which
             return f"error: {what} before every rank started; the run is stopped."
-        if verdict := self.storm.verdict(self.failures):
+        if verdict := self.storm.verdict([f.in_place.recovery_s for f in self.failures if f.in_place is not None]):
             return f"error: {verdict}."
         return None
 
-    def _recover(self, records: list[dict], ranks: list[int], *, what: str, t_detect: float) -> bool:
+    def _recover(self, records: list[FailureRecord], ranks: list[int], *, what: str, t_detect: float) -> bool:
         try:
             generation, figures = recover_in_place(self.role.view, failed=set(ranks), t_detect=t_detect)
         except RecoveryFailed as e:
@@ -318,44 +318,44 @@ class Supervisor:
             return self._stop(records, f"error: {what}, and in-place recovery failed: {e}; the run is "
                                        f"stopped (set checkpoint.every to fall back on a checkpoint).")
         self.state.generation = generation
-        for extra in sorted(set(figures["lost_ranks"]) - set(ranks)):  # lost while recovering
+        for extra in sorted(set(figures.lost_ranks) - set(ranks)):  # lost while recovering
             records.append(lost_during_recovery(extra, like=records[0], attempt=self.state.attempt,
                                                 generation=generation, t_detect=t_detect))
         for f in records:
-            f.update(figures)
+            f.recovered_in_place(figures)
             self.failures.append(f)
-            append_event(self.run_dir, {"event": "failure", **f, "action": "recovered in place"})
+            append_event(self.run_dir, {"event": "failure", **f.to_dict(), "action": "recovered in place"})
         self.hangs.reset()  # the replacement's heartbeats start afresh
         self.resumed_at = time.time()
         for sid in self.host.replenish_shadows():  # in the background: the run never waits for a shadow
             log.info("shadow %d started to replace the one promoted", sid)
         return True
 
-    def _restart(self, records: list[dict], *, t_detect: float, action: str) -> bool:
+    def _restart(self, records: list[FailureRecord], *, t_detect: float, action: str) -> bool:
         """The baseline: stop every rank, start them all again; they reload the latest checkpoint and redo steps."""
         self.host.stop_all(grace_s=0.0)  # a failed attempt's ranks have nothing to save: SIGKILL, as a crash would
         t_stopped = time.time()
         found = checkpoint.latest(self.run_dir)
         self.start_attempt(self.state.attempt + 1)
-        restart = {"recovery": "checkpoint restart", "stopped_at": t_stopped, "restart_attempt": self.state.attempt,
-                   "checkpoint_step": found[0] if found else 0}
+        restart = CheckpointRestart(stopped_at=t_stopped, restart_attempt=self.state.attempt,
+                                    checkpoint_step=found[0] if found else 0)
         self.resumed_at = None  # set again once every rank has started
         for f in records:
-            f.update(restart)
+            f.restarted(restart)
             self.failures.append(f)
-            append_event(self.run_dir, {"event": "failure", **f, "action": action})
+            append_event(self.run_dir, {"event": "failure", **f.to_dict(), "action": action})
         return True
 
-    def _stop(self, records: list[dict], message: str) -> bool:
+    def _stop(self, records: list[FailureRecord], message: str) -> bool:
         self.host.stop_all()
         for f in records:
             self.failures.append(f)
-            append_event(self.run_dir, {"event": "failure", **f, "action": "stopped", "why": message})
+            append_event(self.run_dir, {"event": "failure", **f.to_dict(), "action": "stopped", "why": message})
         self.messages.append(message)
         for f in records:
-            if f.get("node_lost") is not None:
+            if f.node_lost is not None:
                 continue  # its log is on the lost host
-            log_path = self.run_dir / "logs" / f"rank{f['rank']}.log"
+            log_path = self.run_dir / "logs" / f"rank{f.rank}.log"
             self.messages.append(f"  last lines of {log_path}:")
             self.messages += [f"    {line}" for line in tail(log_path)]
         return False
@@ -396,7 +396,7 @@ class Supervisor:
 
     def _follow_stop(self, stop: dict) -> int:
         self.host.stop_all()
-        self.remote_failures = stop["failures"]  # figured by their node already
+        self.remote_failures = [FailureRecord.from_dict(f) for f in stop["failures"]]  # figured by their node already
         other = stop["node"]
         self.messages.append(f"error: node {other} stopped the run, so this node's ranks are stopped; node {other} "
                              "said:")

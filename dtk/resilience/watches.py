@@ -127,13 +127,13 @@ class StormWatch:
             self.streak = []
         self.streak.append({"committed": committed, "t": t_detect})
 
-    def verdict(self, failures: list[dict]) -> str | None:
-        """One line when the run should stop, else None."""
+    def verdict(self, recoveries_s: list[float]) -> str | None:
+        """One line when the run should stop, else None; `recoveries_s`: how long each in-place recovery took."""
         if len(self.streak) < STORM_FAILURES:
             return None
         span = self.streak[-1]["t"] - self.streak[0]["t"]
         every = span / (len(self.streak) - 1)
-        took = [f["recovery_s"] for f in failures if f.get("recovery_s")]
+        took = [s for s in recoveries_s if s]
         recovery = (f"a recovery takes {statistics.median(took):.1f}s" if took
                     else "no restart lasted until its next checkpoint")
         return (f"failures come faster than recovery makes progress: {len(self.streak)} in a row {every:.1f}s "

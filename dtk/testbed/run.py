@@ -20,6 +20,7 @@ from dtk.errors import DtkError
 from dtk.metrics import append_event
 from dtk.parentdeath import die_with_parent
 from dtk.resilience import faults as fl
+from dtk.resilience.failures import FailureRecord
 from dtk.resilience import protocol as keys
 from dtk.testbed import shape
 from dtk.testbed.net import Testbed
@@ -63,7 +64,6 @@ class TestbedRun:
         self.bed = Testbed(n=hosts)
         self.procs: list[subprocess.Popen] = []
         self._lock = threading.Lock()  # the live channel's thread and the main loop both shape and announce
-        self._live_count = 0
         self._store: Store | None = None
 
     # -- the launchers --
@@ -132,20 +132,17 @@ class TestbedRun:
                     store.set(keys.applied(fault_id), "1")
                     del self.armed[fault_id]
 
-    def live_faults(self, specs: list[str]) -> list[str]:
-        """From `dtk inject-failure --run DIR`: congestion is shaped here, rank faults are announced in the store."""
-        with self._lock:
-            start = self._live_count
-            self._live_count += len(specs)
-        parsed = [fl.parse(s, world=self.world, fault_id=f"live{start + i}", flag="fault", hosts=self.hosts)
-                  for i, s in enumerate(specs)]
-        for i, f in enumerate(parsed):
+    def live_faults(self, specs: list[str], ids: list[str]) -> list[str]:
+        """From `dtk inject-failure --run DIR` (dtk.resilience.live): congestion is shaped here, rank faults are
+        announced in the store."""
+        parsed = [fl.parse(s, world=self.world, fault_id=i, flag="fault", hosts=self.hosts) for s, i in zip(specs, ids)]
+        for fault_id, f in zip(ids, parsed):
             if isinstance(f, shape.Congestion) and f.step is None:
                 with self._lock:
                     self._congest(f, how="live")
             elif isinstance(f, shape.Congestion):
                 with self._lock:
-                    self.unannounced[f"live{start + i}"] = f
+                    self.unannounced[fault_id] = f
             else:
                 with self._lock:
                     fl.announce(self._run_store(), f)
@@ -199,7 +196,8 @@ class TestbedRun:
                   f"other nodes' in {self.run_dir / 'logs'}/launcher<N>.log", file=sys.stderr)
             return codes[0] or 1
         # a node lost mid-run and recovered in place by node 0 ended badly, yet the run did not
-        lost = {f["node_lost"] for f in json.loads(summary.read_text()).get("failures", []) if "node_lost" in f}
+        failures = map(FailureRecord.from_dict, json.loads(summary.read_text()).get("failures", []))
+        lost = {f.node_lost for f in failures if f.node_lost is not None}
         others_ok = all(c == 0 or node in lost for node, c in enumerate(codes[1:], start=1))
         return codes[0] if codes[0] != 0 or others_ok else 1
 
