@@ -150,6 +150,12 @@ def test_each_bad_value_is_named(tmp_path, overrides, field, bad):
     assert lines[0].startswith(f"{field}:") and bad in lines[0], lines
 
 
+def test_model_dtype_points_to_training_precision(tmp_path):
+    # where a user looks for the weights' dtype: one line naming the key that sets it and its values
+    (line,) = errors_of(write(tmp_path, "model:\n  dtype: bf16\n"))
+    assert line.startswith("model.dtype:") and "training.precision" in line and "fp32, bf16" in line, line
+
+
 @pytest.mark.parametrize("item", ["training.steps", "=5", ".steps=5", "training..steps=5", "training.=5"])
 def test_bad_override_syntax(tmp_path, item):
     (line,) = errors_of(write(tmp_path, ""), [item])
