@@ -18,9 +18,11 @@ pytestmark = [pytest.mark.dist]
 MODEL = ["model.layers=8", "model.width=64", "model.heads=2", "data.seq_len=16", "data.vocab_size=32",
          "training.micro_batch=4"]
 STRATEGIES = ["ddp", "fsdp", "zero3"]  # zero3 last: DeepSpeed's stage 3 leaves hooks behind
-# the 2-rank spawn also trains these (name, strategy, overrides), each after the fp32 run of its strategy
+# the 2-rank spawn also trains these (name, strategy, overrides), each after the fp32 run of its strategy: bf16,
+# and ZeRO-3 with buckets far smaller than a parameter (many reduce-scatters a step instead of one)
 VARIANTS = {"fsdp": [("fsdp-bf16", "fsdp", ["training.precision=bf16"])],
-            "zero3": [("zero3-bf16", "zero3", ["training.precision=bf16"])]}
+            "zero3": [("zero3-bf16", "zero3", ["training.precision=bf16"]),
+                      ("zero3-small-buckets", "zero3", ["strategy.bucket_mb=0.001"])]}
 STEPS = 3
 HF = ["model.hf.config.n_layer=2", "model.hf.config.n_embd=32", "model.hf.config.n_head=2", "data.seq_len=16",
       "data.vocab_size=32"]
@@ -178,6 +180,16 @@ def test_bf16_computes_in_bf16_updates_fp32_and_stays_near_fp32(trained, strateg
         assert got["dtypes"] == {"weights": "bfloat16", "activations": "bfloat16", "master": "float32"}, got
         assert fp32["losses"] != got["losses"]  # the precision was applied
         assert got["losses"] == pytest.approx(fp32["losses"], rel=2e-2), (strategy, rank)
+
+
+@pytest.mark.timeout(300)
+def test_zero3_buckets_smaller_than_a_parameter_give_the_same_losses(trained):
+    world, results = trained
+    if world != 2:
+        pytest.skip("made by the 2-rank spawn")
+    for rank in range(world):
+        # strategy.bucket_mb changes which gradients are reduced together, never the sum of one element
+        assert results[rank]["zero3-small-buckets"]["losses"] == results[rank]["zero3"]["losses"]
 
 
 @pytest.mark.timeout(300)

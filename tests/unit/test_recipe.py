@@ -136,6 +136,7 @@ def test_cross_field_errors_are_reported_at_once(tmp_path):
     (["training.micro_batch=many"], "training.micro_batch", "'many'"),
     (["world.nproc=[2]"], "world.nproc", "[2]"),
     (["training.precision=fp16"], "training.precision", "'fp16'"),
+    (["strategy.bucket_mb=0"], "strategy.bucket_mb", "0"),
     (["model.dropout=1.5"], "model.dropout", "1.5"),
     (["model.name=gpt", "data.name=digits"], "model.name", "'gpt'"),
     (["model.name=mlp", "data.name=synthetic"], "model.name", "'mlp'"),
