@@ -188,6 +188,10 @@ def deepspeed_config(r: Recipe, *, stage: int) -> dict:
         # Textbook ZeRO-3 (3 x params moved per step): no parameter stays whole for being small, and none is
         # kept gathered from forward to backward. DeepSpeed's defaults trade memory for traffic on both.
         zero.update(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)
+        # The optimizer steps the partition in sub-groups of about a bucket, not in one (DeepSpeed's 1e9 elements):
+        # AdamW's temporaries are the size of what one step call updates. Measured on the 302M GPT, 2 ranks: the
+        # first step's peak fell from 4.12 to 2.69 of the model per rank. Per element the update is the same.
+        zero["sub_group_size"] = bucket
     if r.strategy.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu"}
     return {

@@ -18,6 +18,8 @@ from dtk.strategies.zero import deepspeed_config
 def test_buckets_follow_strategy_bucket_mb_not_deepspeeds_2gb_default(stage, overrides, elements):
     zero = deepspeed_config(recipe.build({}, [f"strategy.name=zero{stage}", *overrides]), stage=stage)["zero_optimization"]
     assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == elements
+    if stage == 3:  # the optimizer steps ZeRO-3's partition a bucket at a time
+        assert zero["sub_group_size"] == elements
 
 
 def test_precision_and_clipping_reach_deepspeed():
