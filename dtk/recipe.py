@@ -83,7 +83,8 @@ class StrategyConfig(Section):
     """zero1/2/3: keep optimizer states in host memory and step them with DeepSpeedCPUAdam."""
     bucket_mb: float = Field(25.0, gt=0)
     """Gradient bucket size in MiB: ddp's buckets; zero1/2/3: DeepSpeed's reduce and all-gather buckets (in the
-    model's dtype; DeepSpeed's own default is 5e8 elements, 2 GB in fp32, whatever the model)."""
+    model's dtype; DeepSpeed's own default is 5e8 elements, 2 GB in fp32, whatever the model) and, zero3, the
+    optimizer's sub-groups. The losses do not depend on it."""
     wrap: list[str] = []
     """fsdp: class names of the submodules sharded one by one (e.g. [GPT2Block]); default: the model's
     `_no_split_modules` (transformers), else the members of its largest nn.ModuleList of repeated blocks."""
