@@ -29,7 +29,9 @@ def run(strategy: str, *, layers: int, width: int, nproc: int, device: str, extr
            "data.seq_len=32", "training.micro_batch=1", "training.steps=1", "training.untimed_steps=0",
            f"world.nproc={nproc}", f"world.device={device}", f"output.dir={out}",
            # the first step of a large model on a loaded CPU outlasts the default 60 s before a hang is declared
-           "resilience.heartbeat_timeout_s=900", "--no-progress", *extra]
+           "resilience.heartbeat_timeout_s=900",
+           "output.save_final=false",  # 1.2 GB of final/model.safetensors per run, after what is measured
+           "--no-progress", *extra]
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if p.returncode != 0:
