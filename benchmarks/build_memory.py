@@ -3,6 +3,9 @@ build_peak_memory_bytes (RSS growth on CPU, allocated bytes on CUDA, from the st
 against the whole model's fp32 bytes. One run at a time (the model is large).
 
     python benchmarks/build_memory.py [--layers 24] [--width 1024] [--strategies ddp,fsdp,zero3] [--device cpu]
+        [recipe overrides, e.g. strategy.bucket_mb=25]
+
+Where a zero3 rank's build goes, phase by phase: benchmarks/zero3_build_phases.py.
 """
 from __future__ import annotations
 
@@ -24,7 +27,11 @@ def run(strategy: str, *, layers: int, width: int, nproc: int, device: str, extr
     cmd = [sys.executable, "-m", "dtk.cli", "train", str(ROOT / "recipes" / "quickstart.yaml"),
            f"strategy.name={strategy}", f"model.layers={layers}", f"model.width={width}", "model.heads=16",
            "data.seq_len=32", "training.micro_batch=1", "training.steps=1", "training.untimed_steps=0",
-           f"world.nproc={nproc}", f"world.device={device}", f"output.dir={out}", "--no-progress", *extra]
+           f"world.nproc={nproc}", f"world.device={device}", f"output.dir={out}",
+           # the first step of a large model on a loaded CPU outlasts the default 60 s before a hang is declared
+           "resilience.heartbeat_timeout_s=900",
+           "output.save_final=false",  # 1.2 GB of final/model.safetensors per run, after what is measured
+           "--no-progress", *extra]
     t0 = time.time()
     p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     if p.returncode != 0:
@@ -44,8 +51,9 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--strategies", default="ddp,fsdp,zero3")
     p.add_argument("--out", default=str(RESULTS / "build_memory.json"))
+    p.add_argument("overrides", nargs="*", help="recipe overrides for every run")
     a = p.parse_args()
-    rows = [run(s, layers=a.layers, width=a.width, nproc=a.nproc, device=a.device, extra=[])
+    rows = [run(s, layers=a.layers, width=a.width, nproc=a.nproc, device=a.device, extra=a.overrides)
             for s in a.strategies.split(",")]
     print("| strategy | parameters | model fp32 | build peak per rank | ÷ model |")
     print("|---|---|---|---|---|")

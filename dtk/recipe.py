@@ -82,7 +82,9 @@ class StrategyConfig(Section):
     offload_optimizer: bool = False
     """zero1/2/3: keep optimizer states in host memory and step them with DeepSpeedCPUAdam."""
     bucket_mb: float = Field(25.0, gt=0)
-    """Gradient bucket size for ddp."""
+    """Gradient bucket size in MiB: ddp's buckets; zero1/2/3: DeepSpeed's reduce and all-gather buckets (in the
+    model's dtype; DeepSpeed's own default is 5e8 elements, 2 GB in fp32, whatever the model) and, zero3, the
+    optimizer's sub-groups. The losses do not depend on it."""
     wrap: list[str] = []
     """fsdp: class names of the submodules sharded one by one (e.g. [GPT2Block]); default: the model's
     `_no_split_modules` (transformers), else the members of its largest nn.ModuleList of repeated blocks."""
@@ -131,6 +133,11 @@ class TrainingConfig(Section):
     grad_accum: int = Field(1, ge=1)
     seed: int = Field(0, ge=0)
     precision: Literal["fp32", "bf16"] = "fp32"
+    """The dtype of the weights and activations where the strategy allows; the optimizer always updates fp32.
+    bf16: zero1/2/3 keep bf16 weights and gradients and fp32 master partitions (DeepSpeed's bf16 mode); fsdp
+    computes with bf16 copies of its fp32 shards and reduces gradients in fp32 (MixedPrecisionPolicy); ddp and
+    gcpsl keep fp32 weights and run the forward under bf16 autocast (as torchtitan and Accelerate do without
+    FSDP). summary.json -> dtypes says what the first step used."""
     untimed_steps: int = Field(2, ge=0)
     """The first steps left out of throughput and step-time figures (start-up costs); they train like any other.
     The learning rate's warmup is optimizer.warmup_steps."""
@@ -511,7 +518,9 @@ def read_file(path: str | Path) -> dict:
 
 
 RENAMED = {("training", "warmup_steps"): "renamed: the learning rate's warmup is optimizer.warmup_steps; the "
-                                        "steps left out of timing figures are training.untimed_steps"}
+                                        "steps left out of timing figures are training.untimed_steps",
+           # not a key that moved, but where a user looks for the weights' dtype
+           ("model", "dtype"): "not a key: the weights' dtype is training.precision; accepted there: fp32, bf16"}
 
 
 def build(tree: dict, overrides: list[str] = ()) -> Recipe:

@@ -137,6 +137,8 @@ def summarize(run_dir: Path, *, wall_seconds: float, failures: list[dict], exit_
         # per rank, from the start of the model's build to the first step (of this attempt)
         "build_peak_memory_bytes": next((r["build_peak_memory_bytes"] for r in reversed(records)
                                          if "build_peak_memory_bytes" in r), None),
+        # what the first step computed in (weights, activations) and what its optimizer updated (master)
+        "dtypes": next((r["dtypes"] for r in reversed(records) if r.get("dtypes")), None),
         "model_state_bytes": states["total"] if states else None,
         "model_state": states,
         "comm": {

@@ -28,6 +28,7 @@ from dtk.resilience.control import Control
 from dtk.resilience.faults import CORRUPT_EXIT, Injector, checksum
 from dtk.resilience.parity import ParityKeeper
 from dtk.strategies.base import Engine, logits_of
+from dtk.strategies.dtypes import DtypeProbe
 from dtk.strategies.memory import BuildMemory, model_state_bytes
 
 log = logging.getLogger(__name__)
@@ -83,6 +84,7 @@ class Trainer:
         self.first_step, self.build_peak = 0, 0  # run() sets them
         # a fault aimed at the backward phase fires when backward reaches the model's output
         self.engine.module.register_forward_hook(self._arm_backward_fault)
+        self.dtypes = DtypeProbe(self.engine)  # what the first forward computed in: summary.json -> dtypes
 
     def _arm_backward_fault(self, module, inputs, output) -> None:
         output = logits_of(output)  # transformers models return a ModelOutput
@@ -179,7 +181,8 @@ class Trainer:
             "generation": Seam.generation,
             "time": time.time(),
             **(self.engine.metrics() if hasattr(self.engine, "metrics") else {}),  # e.g. gcpsl's accuracy
-            **({"build_peak_memory_bytes": [int(v) for v in rows[:, 2].tolist()]} if step == self.first_step else {}),
+            **({"build_peak_memory_bytes": [int(v) for v in rows[:, 2].tolist()], "dtypes": self.dtypes.seen()}
+               if step == self.first_step else {}),
         }
 
     def resume_records(self, step: int) -> None:

@@ -60,6 +60,14 @@ def _parts(engine) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.optim.
     return params, params, engine.optimizer
 
 
+def updated_tensors(engine) -> list[torch.Tensor]:
+    """The tensors the engine's optimizer updates: DeepSpeed's fp32 master partitions, else the parameters in its
+    optimizer's groups (the model's own, or FSDP2's shards)."""
+    if hasattr(engine, "_flat_groups"):
+        return engine._flat_groups()[1]
+    return [p for g in engine.param_groups() for p in g["params"]]
+
+
 def model_state_bytes(engine) -> dict | None:
     """{"parameters", "gradients", "optimizer_states", "total"} in bytes on this rank, or None before the first
     optimizer step (no gradients or optimizer states exist yet). A master copy of the parameters (DeepSpeed keeps

@@ -7,6 +7,7 @@ import os
 
 import torch
 
+from dtk.recipe import Recipe
 from dtk.strategies import zero_checkpoint
 from dtk.strategies.base import (BuildContext, build_torch_optimizer, loss_fn, materialize_optimizer_state,
                                  optimizer_tensors, prepare_blocks)
@@ -46,28 +47,7 @@ class ZeroEngine:
         import deepspeed.ops
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
         deepspeed.init_distributed(dist_backend="dtk", dist_init_required=False)
-        zero: dict = {"stage": stage}
-        if stage in (1, 2):
-            # Textbook ZeRO-1/2 traffic (2 x params per step): each gradient partition is reduced to its owner
-            # instead of all-reducing whole buckets (DeepSpeed's default, 3 x params). Measured on gloo, 2 ranks,
-            # a 3.2M-parameter GPT: steps/s the same within noise (BENCHMARKS.md).
-            zero["use_multi_rank_bucket_allreduce"] = False
-        if stage == 3:
-            # Textbook ZeRO-3 (3 x params moved per step): no parameter stays whole for being small, and none is
-            # kept gathered from forward to backward. DeepSpeed's defaults trade memory for traffic on both.
-            zero.update(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)
-        if r.strategy.offload_optimizer:
-            zero["offload_optimizer"] = {"device": "cpu"}
-        config = {
-            "train_micro_batch_size_per_gpu": r.training.micro_batch,
-            "gradient_accumulation_steps": r.training.grad_accum,
-            "gradient_clipping": r.optimizer.grad_clip,
-            "zero_optimization": zero,
-            "bf16": {"enabled": self.bf16},
-            "zero_allow_untested_optimizer": True,
-            "zero_force_ds_cpu_optimizer": False,
-            "steps_per_print": 1 << 30,
-        }
+        config = deepspeed_config(r, stage=stage)
         model = prepare_blocks(_model(ctx, stage=stage, config=config), r)
         optimizer = build_torch_optimizer(model, r.optimizer)
         if stage == 3:
@@ -186,6 +166,45 @@ class ZeroEngine:
 
     def after_checkpoint_load(self, state: dict) -> None:
         zero_checkpoint.after_load(self, state)
+
+
+def deepspeed_config(r: Recipe, *, stage: int) -> dict:
+    """DeepSpeed's config for a recipe: what dtk sets, and why, where DeepSpeed's defaults would differ from the
+    other strategies (clipping, traffic, bucket memory)."""
+    bf16 = r.training.precision == "bf16"
+    # Gradient and all-gather buckets of strategy.bucket_mb, like DDP's, in the dtype DeepSpeed communicates (the
+    # model's). DeepSpeed's default, 5e8 elements (2 GB in fp32) whatever the model, is a buffer the first step
+    # fills with every gradient of a model up to that size, plus as much again to reduce it: measured on a 302M
+    # GPT, 2 ranks, it was 2.5 of the model's 4 bytes per parameter on each rank (BENCHMARKS.md). A bucket size
+    # changes which gradients are reduced together, not the sum of each element.
+    bucket = max(1, int(r.strategy.bucket_mb * 2**20) // (2 if bf16 else 4))
+    zero: dict = {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
+    if stage in (1, 2):
+        # Textbook ZeRO-1/2 traffic (2 x params per step): each gradient partition is reduced to its owner
+        # instead of all-reducing whole buckets (DeepSpeed's default, 3 x params). Measured on gloo, 2 ranks,
+        # a 3.2M-parameter GPT: steps/s the same within noise (BENCHMARKS.md).
+        zero["use_multi_rank_bucket_allreduce"] = False
+    if stage == 3:
+        # Textbook ZeRO-3 (3 x params moved per step): no parameter stays whole for being small, and none is
+        # kept gathered from forward to backward. DeepSpeed's defaults trade memory for traffic on both.
+        zero.update(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0)
+        # The optimizer steps the partition in sub-groups of about a bucket, not in one (DeepSpeed's 1e9 elements):
+        # AdamW's temporaries are the size of what one step call updates. Measured on the 302M GPT, 2 ranks: the
+        # first step's peak fell from 4.12 to 2.69 of the model per rank. Per element the update is the same.
+        zero["sub_group_size"] = bucket
+    if r.strategy.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu"}
+    return {
+        "train_micro_batch_size_per_gpu": r.training.micro_batch,
+        "gradient_accumulation_steps": r.training.grad_accum,
+        "gradient_clipping": r.optimizer.grad_clip,
+        "zero_optimization": zero,
+        # bf16 weights and gradients, fp32 master partitions in the optimizer (fp16 is refused on CPU)
+        "bf16": {"enabled": bf16},
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 1 << 30,
+    }
 
 
 def _model(ctx: BuildContext, *, stage: int, config: dict):

@@ -18,6 +18,12 @@ pytestmark = [pytest.mark.dist]
 MODEL = ["model.layers=8", "model.width=64", "model.heads=2", "data.seq_len=16", "data.vocab_size=32",
          "training.micro_batch=4"]
 STRATEGIES = ["ddp", "fsdp", "zero3"]  # zero3 last: DeepSpeed's stage 3 leaves hooks behind
+# the 2-rank spawn also trains these (name, strategy, overrides), each after the fp32 run of its strategy: bf16,
+# and ZeRO-3 with buckets far smaller than a parameter (many reduce-scatters a step instead of one, and the
+# optimizer's sub-groups of one parameter each instead of one per parameter group)
+VARIANTS = {"fsdp": [("fsdp-bf16", "fsdp", ["training.precision=bf16"])],
+            "zero3": [("zero3-bf16", "zero3", ["training.precision=bf16"]),
+                      ("zero3-small-buckets", "zero3", ["strategy.bucket_mb=0.001"])]}
 STEPS = 3
 HF = ["model.hf.config.n_layer=2", "model.hf.config.n_embd=32", "model.hf.config.n_head=2", "data.seq_len=16",
       "data.vocab_size=32"]
@@ -70,10 +76,41 @@ def _rank_main(rank: int, world: int, port: int, folder: str, results) -> None:
             engine.optimizer_step()
         full = sum(p.numel() * 4 for p in blueprint.meta().parameters()) if blueprint else None
         out[strategy] = {"losses": losses, "build_peak_bytes": peak, "model_bytes": full}
+        for name, variant, overrides in VARIANTS.get(strategy, []) if world == 2 else []:
+            out[name] = _variant(rank, variant, overrides)
     if world == 2:
         out["pretrained"] = _pretrained_under_fsdp(rank, folder)
     results[rank] = out
     dist.destroy_process_group()
+
+
+def _variant(rank: int, strategy: str, overrides: list[str]) -> dict:
+    """STEPS steps of `strategy` with `overrides`: the losses, the dtypes the first forward computed in and the
+    optimizer updated (DtypeProbe), and the dtypes of the parameters as the engine holds them (ZeRO-3: its
+    partitions; FSDP2: the local shards)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from dtk import recipe
+    from dtk.data import build_dataset
+    from dtk.models import model_blueprint
+    from dtk.strategies import BuildContext, build_engine
+    from dtk.strategies.dtypes import DtypeProbe
+
+    r = recipe.build({}, [*MODEL, f"strategy.name={strategy}", *overrides])
+    data = build_dataset(r.data, seed=0)
+    ctx = BuildContext(model_factory=lambda: None, recipe=r, group=dist.group.WORLD, device=torch.device("cpu"),
+                       blueprint=model_blueprint(r.model, data.spec, seed=0))
+    engine = build_engine(strategy, ctx)
+    probe, losses = DtypeProbe(engine), []
+    for step in range(STEPS):
+        x, y = data.batch(step=step, rank=rank, micro=0, size=4)
+        losses.append(float(engine.forward_backward(x, y, last_micro=True)))
+        engine.optimizer_step()
+    held = {str(p.ds_tensor.dtype if hasattr(p, "ds_tensor") else (p.to_local() if isinstance(p, DTensor) else p).dtype)
+            for p in engine.module.parameters()}
+    flats = len(engine._flat_groups()[1]) if hasattr(engine, "_flat_groups") else None  # ZeRO's optimizer sub-groups
+    return {"losses": losses, "dtypes": probe.seen(), "held": sorted(held), "flats": flats}
 
 
 def _pretrained_under_fsdp(rank: int, folder: str) -> dict:
@@ -129,6 +166,35 @@ def test_meta_init_gives_ddps_losses_and_no_rank_holds_the_whole_model(trained, 
         # what the build allocated and still held at its peak: this rank's 1/N of the parameters and, while it
         # fills them, one whole group (a block, or the embeddings and head) at a time
         assert got["build_peak_bytes"] < got["model_bytes"] * (1 / world + 0.2), (strategy, world, rank, got)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy, held", [("fsdp", "torch.float32"), ("zero3", "torch.bfloat16")])
+def test_bf16_computes_in_bf16_updates_fp32_and_stays_near_fp32(trained, strategy, held):
+    world, results = trained
+    if world != 2:
+        pytest.skip("made by the 2-rank spawn")
+    for rank in range(world):
+        got, fp32 = results[rank][f"{strategy}-bf16"], results[rank][strategy]
+        # fsdp keeps fp32 shards (the masters) and gathers bf16 copies for the forward; ZeRO-3 holds bf16
+        # partitions and an fp32 master of each in the optimizer
+        assert got["held"] == [held], got
+        assert got["dtypes"] == {"weights": "bfloat16", "activations": "bfloat16", "master": "float32"}, got
+        assert fp32["losses"] != got["losses"]  # the precision was applied
+        assert got["losses"] == pytest.approx(fp32["losses"], rel=2e-2), (strategy, rank)
+
+
+@pytest.mark.timeout(300)
+def test_zero3_buckets_smaller_than_a_parameter_give_the_same_losses(trained):
+    world, results = trained
+    if world != 2:
+        pytest.skip("made by the 2-rank spawn")
+    for rank in range(world):
+        small, default = results[rank]["zero3-small-buckets"], results[rank]["zero3-bf16"]
+        assert small["flats"] > default["flats"], (small["flats"], default["flats"])  # more sub-groups were stepped
+        # strategy.bucket_mb changes which gradients are reduced together and what one optimizer call updates,
+        # never the sum of one element nor its update
+        assert small["losses"] == results[rank]["zero3"]["losses"]
 
 
 @pytest.mark.timeout(300)

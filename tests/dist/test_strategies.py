@@ -73,12 +73,19 @@ def test_resume_from_checkpoint_reproduces_the_uninterrupted_losses(uninterrupte
     assert [r["loss"] for r in records] == want  # exactly: CPU/gloo is deterministic
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
-def test_bf16_trains(tmp_path, strategy):
+# ddp keeps fp32 weights under bf16 autocast; ZeRO-1/2 hold bf16 weights (fp32 masters in the optimizer). fsdp and
+# zero3 in bf16: tests/dist/test_meta_init.py
+@pytest.mark.parametrize("strategy, weights", [("ddp", "float32"), ("zero2", "bfloat16")])
+def test_bf16_trains_near_fp32_in_the_dtypes_summary_names(uninterrupted, tmp_path, strategy, weights):
     run_dir = train(tmp_path / "run", f"strategy.name={strategy}", "training.precision=bf16",
                     f"training.steps={STEPS}")
-    assert_falls(losses(run_dir))
+    got = losses(run_dir)
+    assert_falls(got)
     assert yaml.safe_load((run_dir / "recipe.yaml").read_text())["training"]["precision"] == "bf16"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["dtypes"] == {"weights": weights, "activations": "bfloat16", "master": "float32"}, summary
+    fp32 = losses(uninterrupted(strategy))
+    assert got != fp32 and got == pytest.approx(fp32, rel=2e-2)
 
 
 @pytest.mark.parametrize("strategy, kinds", [("ddp", ["all_reduce"]), ("zero3", ["all_gather", "reduce_scatter"])])
@@ -94,6 +101,7 @@ def test_run_folder_holds_recipe_metrics_summary_and_logs(uninterrupted, strateg
 
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == STEPS
+    assert summary["dtypes"] == {"weights": "float32", "activations": "float32", "master": "float32"}
     assert summary["losses"] == [r["loss"] for r in records]
     comm = summary["comm"]
     assert comm["bytes_per_step"] > 0

@@ -136,6 +136,7 @@ def test_cross_field_errors_are_reported_at_once(tmp_path):
     (["training.micro_batch=many"], "training.micro_batch", "'many'"),
     (["world.nproc=[2]"], "world.nproc", "[2]"),
     (["training.precision=fp16"], "training.precision", "'fp16'"),
+    (["strategy.bucket_mb=0"], "strategy.bucket_mb", "0"),
     (["model.dropout=1.5"], "model.dropout", "1.5"),
     (["model.name=gpt", "data.name=digits"], "model.name", "'gpt'"),
     (["model.name=mlp", "data.name=synthetic"], "model.name", "'mlp'"),
@@ -148,6 +149,12 @@ def test_each_bad_value_is_named(tmp_path, overrides, field, bad):
     lines = errors_of(write(tmp_path, ""), overrides)
     assert len(lines) == 1, lines
     assert lines[0].startswith(f"{field}:") and bad in lines[0], lines
+
+
+def test_model_dtype_points_to_training_precision(tmp_path):
+    # where a user looks for the weights' dtype: one line naming the key that sets it and its values
+    (line,) = errors_of(write(tmp_path, "model:\n  dtype: bf16\n"))
+    assert line.startswith("model.dtype:") and "training.precision" in line and "fp32, bf16" in line, line
 
 
 @pytest.mark.parametrize("item", ["training.steps", "=5", ".steps=5", "training..steps=5", "training.=5"])
