@@ -1,6 +1,7 @@
 """comm.mode adaptive: runs each collective of a DtkGroup the way the plan says (native, the native op on a
 renumbered group, or a dtk p2p algorithm on a worker thread), feeds the monitor, and at step boundaries lets
-every rank agree on the next plan (a tiny all-reduce of "probe?" flags, a probe, an all-gather of link rows).
+every rank agree on the next plan (a tiny all-reduce of "probe?" flags, a probe, an all-gather of link rows), and
+checks each plan change against what it delivers (dtk.comm.check; its figures ride on the same tiny all-reduce).
 
 A renumbered group runs gloo's own op, so every reduce op gloo takes (SUM, AVG, MAX, ...) is taken there; dtk's
 hierarchical all-reduce sums, and averages by dividing its sum by the group's size (what gloo's AVG does)."""
@@ -20,8 +21,9 @@ from torch._C._distributed_c10d import (AllgatherOptions, AllreduceOptions, Broa
                                        ReduceOptions, ReduceScatterOptions)
 
 from dtk.comm import algorithms
-from dtk.comm.monitor import LinkMonitor
-from dtk.comm.planner import NATIVE, PIECE_BYTES, Choice, PlanState, describe
+from dtk.comm.check import FIGURES, PlanCheck
+from dtk.comm.monitor import MEASURABLE_BYTES, LinkMonitor
+from dtk.comm.planner import KINDS, NATIVE, PIECE_BYTES, Choice, Decision, PlanState, describe
 from dtk.comm.seam import Seam
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,11 @@ class Router:
         self.last_probe = -1
         self.events: list[dict] = []
         """Plan changes not yet written out (the trainer or the bench writes them to events.jsonl)."""
+        self.checks: dict[str, PlanCheck] = {}
+        """Plan changes whose check is not yet due, by kind."""
+        self._calls: dict[str, list[tuple[int, float]]] = {k: [] for k in KINDS}
+        """(bytes, seconds) of the calls since the last boundary, each of at least MEASURABLE_BYTES."""
+        self._calls_lock = threading.Lock()
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
 
@@ -90,12 +97,17 @@ class Router:
             t0 = time.perf_counter()
             work = call(g)
             try:
-                work.get_future().add_done_callback(
-                    lambda f: self.monitor.observe_native(kind, nbytes, time.perf_counter() - t0))
+                work.get_future().add_done_callback(lambda f: self._observed(kind, nbytes, time.perf_counter() - t0))
             except RuntimeError:
                 pass  # a work without a future (gloo's _reduce_scatter_base): not timed
             return work
         return run
+
+    def _observed(self, kind: str, nbytes: int, seconds: float) -> None:
+        self.monitor.observe_native(kind, nbytes, seconds)
+        if nbytes >= MEASURABLE_BYTES:
+            with self._calls_lock:
+                self._calls[kind].append((nbytes, seconds))
 
     def _submit(self, job) -> "FutureWork":
         fut: torch.futures.Future = torch.futures.Future()
@@ -116,6 +128,7 @@ class Router:
                 fut.set_result(None)
 
     def _leaf(self, choice: Choice, tensors: list[torch.Tensor], op) -> None:
+        t0 = time.perf_counter()
         # coalesced tensors are summed as one flat buffer (one hierarchical call, then copied back)
         flat = tensors[0].view(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
         leaders = tuple(g[0] for g in choice.groups)
@@ -130,6 +143,9 @@ class Router:
             for t, part in zip(tensors, flat.split([t.numel() for t in tensors])):
                 t.copy_(part.view_as(t))
         self.monitor.observe_p2p(p2p.timings)
+        if flat.nbytes >= MEASURABLE_BYTES:  # the plan's check times the whole call, as _timed does a native one
+            with self._calls_lock:
+                self._calls["all_reduce"].append((flat.nbytes, time.perf_counter() - t0))
 
     # -- groups a plan needs, built at the boundary by every member --
     def _group(self, key: tuple):
@@ -154,16 +170,26 @@ class Router:
 
     # -- at a step boundary --
     def boundary(self, step: int | None = None) -> list[dict]:
-        """Every rank calls this at the same point. Probes when some rank asks (a slowed native collective,
-        the first boundary, or a periodic recheck of a non-native plan), then decides; returns new events."""
+        """Every rank calls this at the same point. Checks the plan changes whose check is due, probes when some rank
+        asks (a slowed native collective, the first boundary, or a periodic recheck of a non-native plan), then
+        decides; returns new events."""
         self.boundaries += 1
         slow = self.monitor.take_slow()
+        with self._calls_lock:
+            calls, self._calls = self._calls, {k: [] for k in KINDS}
+        for kind, check in self.checks.items():
+            check.after += calls[kind]
         periodic = self.state.plan != {k: NATIVE for k in self.state.plan} and \
             self.boundaries - self.last_probe >= PROBE_EVERY
-        want = torch.tensor([1.0 if (self.last_probe < 0 or slow or periodic) else 0.0])
-        _max(self.ctl, want)
-        if not want.item():
-            return []
+        want = 1.0 if (self.last_probe < 0 or slow or periodic) else 0.0
+        # one tiny all-reduce carries both the "probe?" flag and every pending check's figures
+        flags = torch.tensor([want] + [x for k in KINDS for x in (self.checks[k].figures() if k in self.checks
+                                                                    else [0.0] * FIGURES)], dtype=torch.float64)
+        _max(self.ctl, flags)
+        agreed = flags.tolist()
+        events = self._check(agreed[1:], step)
+        if not agreed[0]:
+            return events
         reason = "first boundary" if self.last_probe < 0 else ("native collective slowed" if slow else "recheck")
         self.last_probe = self.boundaries
         t0 = time.perf_counter()
@@ -171,20 +197,64 @@ class Router:
         rows = [torch.empty_like(row) for _ in range(self.size)]
         self.ctl.allgather([rows], [row]).wait()
         probe_s = time.perf_counter() - t0
-        raw = [r.tolist() for r in rows]
-        before = describe(self.state.plan)
+        undone = {e["kind"] for e in events if e.get("verdict") == "undone"}
+        before_calls = {k: [] if k in undone else c for k, c in calls.items()}  # the undone plan's are not the old's
+        event = self.decide([r.tolist() for r in rows], reason=reason, step=step, calls=before_calls,
+                            extra={"probe_seconds": round(probe_s, 4), "slow_collectives": slow[:4]})
+        return events + ([event] if event else [])
+
+    def decide(self, raw: list[list[float]], *, reason: str, step: int | None,
+               calls: dict[str, list[tuple[int, float]]], extra: dict | None = None) -> dict | None:
+        """The planner's decision on every rank's link rows (the same on every rank); a change starts its check
+        (`calls`: the old plan's calls in the step before). Returns the comm_plan event, if the plan changed."""
+        before = dict(self.state.plan)
         decision = self.state.update(raw, reason=reason)
         if not decision.changed:
-            return []
+            return None
         self._build_groups(decision.plan)
+        for kind in decision.changed:
+            self.checks.pop(kind, None)
+            if decision.plan[kind] != NATIVE:  # going back to native is the safe way: nothing to check
+                self.checks[kind] = PlanCheck(kind=kind, old=before[kind], new=decision.plan[kind],
+                                              links=decision.links, step=step, before=calls.get(kind, []))
+        return self._plan_event(decision, before, step, extra or {})
+
+    def _plan_event(self, decision: Decision, before: dict[str, Choice], step: int | None, extra: dict) -> dict:
         event = {"event": "comm_plan", "step": step, "time": time.time(), "rank": self.rank,
-                 "changed": decision.changed, "before": {k: before[k] for k in decision.changed},
-                 "after": {k: describe(decision.plan)[k] for k in decision.changed},
-                 "probe_seconds": round(probe_s, 4), "slow_collectives": slow[:4], **decision.evidence}
+                 "changed": decision.changed, "before": {k: before[k].describe() for k in decision.changed},
+                 "after": {k: describe(decision.plan)[k] for k in decision.changed}, **extra, **decision.evidence}
         (log.warning if self.rank == 0 else log.info)("comm plan changed at step %s: %s (congested links: %s)", step,
                     json.dumps(event["after"]), [c["link"] for c in event["congested_links"]])
         self.events.append(event)
-        return [event]
+        return event
+
+    def _check(self, agreed: list[float], step: int | None) -> list[dict]:
+        """The due checks, on the figures every rank agreed on: a comm_plan_check event each, and for a plan that
+        fell short, its undoing (a comm_plan event saying why)."""
+        events = []
+        for n, kind in enumerate(KINDS):
+            check = self.checks.get(kind)
+            verdict = check.verdict(agreed[n * FIGURES:(n + 1) * FIGURES]) if check is not None else None
+            if check is None or verdict is None:
+                continue
+            del self.checks[kind]
+            event = {"event": "comm_plan_check", "step": step, "time": time.time(), "rank": self.rank, **verdict}
+            self.events.append(event)
+            events.append(event)
+            if verdict["verdict"] != "undone":
+                continue
+            self.state.undo(kind, to=check.old, links=check.links)
+            self._build_groups(self.state.plan)
+            why = (f"undone by its check: delivered {verdict['delivered_gain_s']:.6f} s of the "
+                   f"{verdict['predicted_gain_s']:.6f} s per call the model promised")
+            undo = {"event": "comm_plan", "step": step, "time": time.time(), "rank": self.rank, "changed": [kind],
+                    "before": {kind: check.new.describe()}, "after": {kind: check.old.describe()}, "reason": why,
+                    "undone": True, "congested_links": [{"link": f"{i}-{j}", "bytes_per_s": round(b)}
+                                                        for i, j, b in check.links.congested]}
+            (log.warning if self.rank == 0 else log.info)("comm plan for %s %s at step %s", kind, why, step)
+            self.events.append(undo)
+            events.append(undo)
+        return events
 
 
 class FutureWork:

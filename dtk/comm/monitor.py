@@ -10,6 +10,8 @@ import torch
 
 PROBE_BYTES = 1 << 20
 """Probe message: above the shapers' 256 KB burst, so a shaped link shows its rate; ~40 ms at 200 mbit."""
+MEASURABLE_BYTES = 256 << 10
+"""Calls and pieces below this size are latency, not bandwidth: they say nothing about a link's rate."""
 SLOWDOWN = 2.0
 """A native collective this many times slower than its baseline (same kind and size class) asks for a probe."""
 
@@ -41,8 +43,8 @@ class LinkMonitor:
 
     # -- from the traffic itself --
     def observe_native(self, kind: str, size_bytes: int, seconds: float) -> None:
-        if size_bytes < (256 << 10) or seconds <= 0:
-            return  # small calls are latency, not bandwidth
+        if size_bytes < MEASURABLE_BYTES or seconds <= 0:
+            return
         key = (kind, size_bytes.bit_length())
         spb = seconds / size_bytes
         with self.lock:
@@ -57,7 +59,7 @@ class LinkMonitor:
         """(peer, bytes, seconds) of received pieces; only pieces large enough to measure a rate count."""
         per: dict[int, list[float]] = {}
         for peer, nbytes, seconds in timings:
-            if nbytes >= (256 << 10) and seconds > 0:
+            if nbytes >= MEASURABLE_BYTES and seconds > 0:
                 per.setdefault(peer, [0, 0])
                 per[peer][0] += nbytes
                 per[peer][1] += seconds

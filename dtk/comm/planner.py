@@ -18,6 +18,10 @@ SWITCH = 0.8
 """Change the plan only when the new one is predicted at most this fraction of the current one's time."""
 CLEAN_PROBES = 2
 """Consecutive probes without a congested link before going back to native."""
+UNDONE_PROBES = 4
+"""A plan undone by its check (dtk.comm.check) is not picked again on the same evidence (the same congested links)
+for this many probes, doubled each time it is undone again: a fluke of the check costs a few probes, a model that
+keeps overpromising on that evidence is retried ever more rarely, and the plan never flaps."""
 ALPHA = 1e-4
 """Seconds per message step (latency term)."""
 P2P_OVERHEAD = 2e-3
@@ -245,6 +249,13 @@ class Decision:
     plan: dict[str, Choice]
     changed: list[str]
     evidence: dict
+    links: Links
+    """What the decision was made on (a check predicts the new and the old plan's times from it)."""
+
+
+def evidence_key(links: Links) -> frozenset[tuple[int, int]]:
+    """The evidence a plan was chosen on, as far as undoing it goes: which links are congested."""
+    return frozenset((i, j) for i, j, _ in links.congested)
 
 
 class PlanState:
@@ -253,14 +264,33 @@ class PlanState:
     def __init__(self):
         self.plan: dict[str, Choice] = {k: NATIVE for k in KINDS}
         self.clean = 0
+        self.probes = 0
+        self.undone: dict[tuple[str, Choice, frozenset], tuple[int, int]] = {}
+        """(kind, choice, evidence key) -> (times undone, last probe on which it is barred)."""
+
+    def undo(self, kind: str, *, to: Choice, links: Links) -> None:
+        """The check found the plan for `kind` short of its promise: back to `to`, and the undone choice barred on
+        this evidence for UNDONE_PROBES probes, doubled on each further undo."""
+        key = (kind, self.plan[kind], evidence_key(links))
+        times = self.undone.get(key, (0, 0))[0] + 1
+        self.undone[key] = (times, self.probes + UNDONE_PROBES * 2 ** (times - 1))
+        self.plan[kind] = to
+
+    def barred(self, kind: str, choice: Choice, links: Links) -> bool:
+        entry = self.undone.get((kind, choice, evidence_key(links)))
+        return entry is not None and self.probes <= entry[1]
 
     def update(self, raw: list[list[float]], *, reason: str) -> Decision:
         links = Links(raw)
+        self.probes += 1
         self.clean = 0 if links.congested else self.clean + 1
-        new, changed = dict(self.plan), []
+        new, changed, held = dict(self.plan), [], []
         for kind in KINDS:
             cur, best = self.plan[kind], choose(links, kind)
             if best == cur:
+                continue
+            if self.barred(kind, best, links):
+                held.append(kind)
                 continue
             if best == NATIVE:
                 go = self.clean >= CLEAN_PROBES or cur == NATIVE
@@ -278,8 +308,10 @@ class PlanState:
                                           "plan": round(seconds(links, k, new[k], REFERENCE_BYTES), 5)}
                                       for k in KINDS},
         }
+        if held:
+            evidence["held_back"] = {k: "undone by its check on this evidence" for k in held}
         self.plan = new
-        return Decision(plan=new, changed=changed, evidence=evidence)
+        return Decision(plan=new, changed=changed, evidence=evidence, links=links)
 
 
 def describe(plan: dict[str, Choice]) -> dict[str, str]:

@@ -1,7 +1,8 @@
 """Every way the adaptive router can run a collective gives native gloo's result: the plans are forced (no
 congestion needed), every collective the strategies issue (all-reduce, all-gather, reduce-scatter, reduce,
 broadcast, their coalesced forms; SUM, AVG, MAX; every root) runs through a DtkGroup and is compared with the
-same call on plain gloo, on 2, 3 and 4 real ranks, one spawn each."""
+same call on plain gloo, on 2, 3 and 4 real ranks, one spawn each. On 4, a plan chosen on invented evidence (a
+link reported 2000x slower than it is) is checked against what it delivers and undone on every rank."""
 from __future__ import annotations
 
 import datetime
@@ -156,11 +157,41 @@ def _check_rank(rank: int, p: int, port: int, queue) -> None:
                     return t
                 check(f"{tag} broadcast root={root}", *both(bc), exact=True)
         ran[plan_name] = {f"{k} {w}": c for (k, w), c in router.ran.items()}
+    checked = _undo_an_overpromising_plan(rank, p, g, router) if p == 4 else None
     gathered: list = [None] * p
-    dist.all_gather_object(gathered, errors)
+    dist.all_gather_object(gathered, (errors, checked))
     if rank == 0:
-        queue.put({"errors": [e for errs in gathered for e in errs], "ran": ran})
+        queue.put({"errors": [e for errs, _ in gathered for e in errs], "ran": ran,
+                   "checked": [c for _, c in gathered]})
     dist.destroy_process_group()
+
+
+def _undo_an_overpromising_plan(rank: int, p: int, g, router) -> dict:
+    """Through the router's own boundaries: its probe reports link 0-1 at 100 kB/s (the links are as fast as the
+    others), so the model promises seconds per call that the new ring cannot deliver; its check must undo it."""
+    import torch
+    import torch.distributed as dist
+
+    from dtk.comm.check import CHECK_CALLS
+    from dtk.comm.planner import KINDS, NATIVE
+
+    router.state.plan = {k: NATIVE for k in KINDS}
+
+    def calls(n: int) -> None:
+        for _ in range(n):
+            dist.all_reduce(torch.ones(1 << 16), group=g)  # 256 KB: the smallest call the check times
+
+    invented = [[1e5 if {i, j} == {0, 1} else 2e8 for j in range(p)] for i in range(p)]
+    calls(3)  # the old plan's calls, in the step before the change
+    router.monitor.probe = lambda pg: invented[rank]
+    events = router.boundary(step=1)
+    del router.monitor.probe
+    changed_to = router.state.plan["all_reduce"].describe()
+    calls(CHECK_CALLS)
+    events += router.boundary(step=2)
+    return {"changed_to": changed_to, "plan": router.state.plan["all_reduce"].describe(),
+            "events": [{k: v for k, v in e.items() if k not in ("time", "rank", "probe_seconds")}
+                       for e in events if e.get("kind") == "all_reduce" or "all_reduce" in e.get("changed", ())]}
 
 
 @pytest.mark.timeout(300)
@@ -179,3 +210,18 @@ def test_every_plan_gives_native_results(p):
     assert leaf["all_reduce native"] == per_n  # MAX: the hierarchical all-reduce only sums
     assert leaf["reduce all_reduce"] == per_n * 2 and leaf["reduce native"] == per_n * 2 * (p - 1)
     assert leaf["broadcast reordered"] == per_n and leaf["broadcast native"] == per_n * (p - 1)
+    if p == 4:
+        from dtk.comm.check import CHECK_CALLS
+
+        checked = result["checked"]
+        assert all(c["changed_to"].startswith("ring order") for c in checked)
+        for c in checked:
+            forced, check, undo = c["events"][:3]
+            assert forced["event"] == "comm_plan" and forced["congested_links"][0]["link"] == "0-1"
+            assert check["event"] == "comm_plan_check" and check["verdict"] == "undone" and check["calls"] >= CHECK_CALLS
+            assert check["delivered_gain_s"] < 0.5 * check["predicted_gain_s"]
+            assert undo["event"] == "comm_plan" and undo["undone"] and undo["after"] == {"all_reduce": "native"}
+            assert "undone by its check" in undo["reason"]
+        # every rank decided on the same merged figures, and holds the same plan after
+        assert all(c["events"][1] == checked[0]["events"][1] for c in checked)
+        assert len({c["plan"] for c in checked}) == 1
