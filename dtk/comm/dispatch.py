@@ -133,7 +133,8 @@ class Router:
         flat = tensors[0].view(-1) if len(tensors) == 1 else torch.cat([t.reshape(-1) for t in tensors])
         leaders = tuple(g[0] for g in choice.groups)
         sub = self._group(("leaders",) + leaders) if self.rank in leaders else None
-        p2p = algorithms.P2P(self.ctl)
+        # torch's stub for Backend (ProcessGroupGloo's base) lists none of its send/recv
+        p2p = algorithms.P2P(self.ctl)  # type: ignore[arg-type]
         algorithms.hierarchical_all_reduce(
             p2p, flat, groups=choice.groups, back=dict(choice.back), chunk_bytes=PIECE_BYTES,
             leader_all_reduce=(lambda x: sub.allreduce([x]).wait()) if sub is not None else None)
