@@ -12,7 +12,7 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Literal, Protocol, cast
+from typing import Literal, Protocol, TypeGuard, cast
 
 import torch
 from torch import nn
@@ -24,6 +24,13 @@ from dtk.resilience import checkpoint
 log = logging.getLogger(__name__)
 Format = Literal["safetensors", "hf", "torch"]
 FORMATS: tuple[str, ...] = ("safetensors", "hf", "torch")
+
+
+def is_format(value: str) -> TypeGuard[Format]:
+    """`value` is one of FORMATS (for a str the CLI took)."""
+    return value in FORMATS
+
+
 ZERO_MASTER = "engine.zero.master."
 ZERO_BUFFER = "engine.zero.buffer."
 
