@@ -9,6 +9,7 @@ import socket
 import sys
 import time
 from pathlib import Path
+from typing import Any, Sequence
 
 from dtk.comm.seam import bus_factor
 from dtk.errors import DtkError
@@ -57,7 +58,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn_ranks(target, *, nproc: int, args: tuple = (), timeout_s: float = 1800) -> object:
+def spawn_ranks(target, *, nproc: int, args: tuple = (), timeout_s: float = 1800) -> Any:
     """Run `target(rank, nproc, store_port, queue, *args)` in `nproc` fresh processes on a TCPStore hosted here;
     returns what rank 0 put on the queue. A rank that fails stops the others and raises."""
     import torch.distributed as dist
@@ -255,7 +256,7 @@ def _modes_rank(rank: int, nproc: int, port: int, queue, kinds, byte_sizes, iter
 
 
 def run_modes(*, nproc: int, kinds: list[str], min_bytes: int, max_bytes: int, iters: int, warmup: int,
-              modes: list[str], out_dir: str | None, testbed: int = 0, congest: list[str] = (),
+              modes: list[str], out_dir: str | None, testbed: int = 0, congest: Sequence[str] = (),
               show: bool = True) -> list[dict]:
     """The sweep for each comm mode (native, adaptive) in the same ranks, on local ranks or on a test bed of
     `testbed` hosts under `congest`; writes out_dir/bench.json (rows) and out_dir/events.jsonl (plan changes)."""

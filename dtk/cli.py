@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import shutil
 import sys
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional, overload
 
 import typer
 from rich.console import Console
@@ -18,7 +18,7 @@ from dtk.sim.commands import simulate_app
 
 # Help in click's plain layout, wrapped at up to 120 columns: rich's boxed tables cut long option help with an
 # ellipsis when the terminal (or a pipe, 80) is narrow, and the fault grammar was lost that way.
-HELP = {"rich_markup_mode": None, "context_settings": {"max_content_width": 120, "terminal_width": max(
+HELP: dict[str, Any] = {"rich_markup_mode": None, "context_settings": {"max_content_width": 120, "terminal_width": max(
     100, shutil.get_terminal_size().columns)}}
 
 
@@ -56,6 +56,14 @@ def _testbed_hosts(value: int | None) -> int:
         raise DtkError(f"--testbed: got {value}; accepted: 2..64 hosts (leave it out to run on this host's own "
                        "network)")
     return value
+
+
+@overload
+def _parse_endpoint(value: str) -> str: ...
+
+
+@overload
+def _parse_endpoint(value: None) -> None: ...
 
 
 def _parse_endpoint(value: str | None) -> str | None:
@@ -261,7 +269,7 @@ def export(
 
     from dtk import export as exporting
 
-    if format not in exporting.FORMATS:
+    if not exporting.is_format(format):
         raise DtkError(f"--format: got {format!r}; accepted: {', '.join(exporting.FORMATS)}")
     r, source = exporting.export(Path(run_dir), step=step, fmt=format, out=Path(out_dir))
     out.print(f"[green]exported[/] {source} ({r.strategy.name}) as {format} to {out_dir}", highlight=False)
@@ -294,23 +302,26 @@ def compare(
 
     variants = cmp.resolve(recipe, overrides or [], strategies=strategies, variant_flags=variant or [])
     testbed = _testbed_hosts(testbed)
+    built: list[recipes.Recipe] = []
     for v in variants:  # before the first variant runs, not when its turn comes
+        assert v.recipe is not None  # resolve builds every variant's recipe
         recipes.check_launch(v.recipe, nnodes=max(testbed, 1))
+        built.append(v.recipe)
     if testbed:
         from dtk.testbed.net import check_environment
 
         check_environment()
-    injected = [fl.parse(spec, world=min(v.recipe.world.nproc for v in variants) * max(testbed, 1), fault_id=f"f{i}",
+    injected = [fl.parse(spec, world=min(r.world.nproc for r in built) * max(testbed, 1), fault_id=f"f{i}",
                          hosts=testbed or None) for i, spec in enumerate(fault or [])]
-    for v in variants:  # steps are shared by every variant, resilience.mode need not be
-        fl.check_reachable(injected, steps=v.recipe.training.steps, mode=v.recipe.resilience.mode)
+    for r in built:  # steps are shared by every variant, resilience.mode need not be
+        fl.check_reachable(injected, steps=r.training.steps, mode=r.resilience.mode)
     one_rank = [k for k in fl.FAULTS if k not in ("congest", "kill-host")]
     if mtbf and testbed:
         raise DtkError(f"--mtbf: got {mtbf!r} with --testbed {testbed}; accepted: --mtbf on local ranks only")
     if mtbf_fault not in one_rank:
         raise DtkError(f"--mtbf-fault: got {mtbf_fault!r}; accepted: {', '.join(one_rank)}")
     schedule = fl.random_schedule(mtbf_s=fl.parse_duration(mtbf, "--mtbf"), seed=seed,
-                                  world=min(v.recipe.world.nproc for v in variants)) if mtbf else []
+                                  world=min(r.world.nproc for r in built)) if mtbf else []
     folder = cmp.prepare_out_dir(out_dir, recipe)
     command = "dtk " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     result = cmp.run(recipe_path=recipe, variants=variants, out_dir=folder, command=command, console=out,
@@ -321,9 +332,10 @@ def compare(
     out.print(cmp.verdict_line(result), highlight=False)
     out.print(f"written: {folder / 'compare.json'}, compare.md, compare.png", highlight=False)
     code = 0 if len(result.done) == len(result.variants) else RUN_FAILED_EXIT
-    for v in result.parity_failures():
-        out.print(f"[red]parity broken[/]: {v['variant']} differs from {result.variants[0]['variant']} by "
-                  f"{v['max_rel_loss_diff']:.2e} (relative) at worst; --assert-parity {assert_parity:g}", highlight=False)
+    for worse in result.parity_failures():
+        out.print(f"[red]parity broken[/]: {worse['variant']} differs from {result.variants[0]['variant']} by "
+                  f"{worse['max_rel_loss_diff']:.2e} (relative) at worst; --assert-parity {assert_parity:g}",
+                  highlight=False)
         code = RUN_FAILED_EXIT
     raise typer.Exit(code)
 

@@ -221,6 +221,7 @@ def prepare_out_dir(out: str | None, recipe_path: str) -> Path:
 
 
 def _record(v: Variant, *, code: int, run_dir: Path, params: int, world: int) -> dict:
+    assert v.recipe is not None  # resolved before any variant runs
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
     states, states_formula = model_state_analytic(v.recipe, params=params, world=world)
@@ -284,6 +285,7 @@ def run(*, recipe_path: str, variants: list[Variant], out_dir: Path, command: st
                                if fault_schedule else []))
     counts: dict[str, int] = {}
     for i, v in enumerate(variants, 1):
+        assert v.recipe is not None  # resolved before any variant runs
         key = json.dumps([v.recipe.model.model_dump(mode="json"), v.recipe.data.model_dump(mode="json")])
         if key not in counts:
             counts[key] = parameter_count(v.recipe)
@@ -367,7 +369,7 @@ def headers(comparison: Comparison, *, sep: str = "\n") -> list[str]:
 
 
 def _target(comparison: Comparison) -> str:
-    targets = {v.get("target_accuracy") for v in comparison.variants} - {None}
+    targets = {v["target_accuracy"] for v in comparison.variants if v.get("target_accuracy") is not None}
     return f"{100 * targets.pop():.0f}%" if len(targets) == 1 else "accuracy"
 
 

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from dtk.comm.group import Seam
+from dtk.data.spec import Dataset, has_validation
 from dtk.metrics import MetricsWriter, read_jsonl
 from dtk.strategies.base import autocast, logits_of, loss_fn
 
@@ -27,7 +28,7 @@ class Evaluator:
     batches: int
     steps: int
     """training.steps: the last boundary is evaluated too."""
-    dataset: object
+    dataset: Dataset
     module: torch.nn.Module
     device: torch.device
     precision: str
@@ -68,6 +69,7 @@ class Evaluator:
         try:
             with torch.no_grad(), Seam.uncounted():  # not a step's traffic
                 for b in range(self.batches):
+                    assert has_validation(self.dataset)  # eval.every is for a data set with a validation split
                     x, y = self.dataset.val_batch(index=b * self.world + self.rank, size=self.micro_batch)
                     x, y = x.to(self.device), y.to(self.device)
                     out = self._forward(x)
@@ -96,5 +98,6 @@ class Evaluator:
         return True
 
     def _recorded(self, step: int) -> bool:
+        assert self.writer is not None  # called only where there is one (rank 0)
         return any(r.get("step") == step and "eval_loss" in r for r in read_jsonl(self.writer.path))
 

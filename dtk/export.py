@@ -12,7 +12,7 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol, TypeGuard, cast
 
 import torch
 from torch import nn
@@ -24,8 +24,21 @@ from dtk.resilience import checkpoint
 log = logging.getLogger(__name__)
 Format = Literal["safetensors", "hf", "torch"]
 FORMATS: tuple[str, ...] = ("safetensors", "hf", "torch")
+
+
+def is_format(value: str) -> TypeGuard[Format]:
+    """`value` is one of FORMATS (for a str the CLI took)."""
+    return value in FORMATS
+
+
 ZERO_MASTER = "engine.zero.master."
 ZERO_BUFFER = "engine.zero.buffer."
+
+
+class _SavesPretrained(Protocol):
+    """A transformers model (model.hf): what fmt "hf" writes with."""
+
+    def save_pretrained(self, save_directory: str) -> None: ...
 
 
 def _model_of(r: recipes.Recipe) -> nn.Module:
@@ -86,7 +99,8 @@ def write(model: nn.Module, r: recipes.Recipe, out: Path, *, fmt: Format) -> Non
         elif fmt == "torch":
             torch.save(model.state_dict(), tmp / "model.pt")
         else:
-            model.save_pretrained(str(tmp))
+            # nn.Module's __getattr__ types an attribute it does not declare as Tensor | Module
+            cast(_SavesPretrained, model).save_pretrained(str(tmp))
             if tok := _tokenizer_dir(r):
                 for f in tok.iterdir():
                     if f.is_file():

@@ -117,7 +117,7 @@ def _faster(chosen: Interface, found: dict[str, Interface]) -> Interface | None:
         return None
     better = [i for i in found.values() if i.name != chosen.name and i.up and i.addresses and i.speed_mbps
               and not i.name.startswith(VIRTUAL) and i.speed_mbps > chosen.speed_mbps]
-    return max(better, key=lambda i: i.speed_mbps, default=None)
+    return max(better, key=lambda i: i.speed_mbps or 0, default=None)  # `or 0`: never taken, each has a speed
 
 
 def pick(name: str | None, *, endpoint: str) -> tuple[str, str]:

@@ -11,6 +11,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from dtk.errors import DtkError
 from dtk.resilience import protocol as keys
@@ -72,21 +73,19 @@ def measure(pg, *, rank: int, size: int, nbytes: int, passes: int, pings: int, m
     row = torch.tensor(bw + rtt + least, dtype=torch.float64)
     rows = [torch.empty_like(row) for _ in range(size)]
     pg.allgather([rows], [row]).wait()
-    hosts = [None] * size
     names = torch.zeros(1024, dtype=torch.uint8)  # who each host is: a host name, an address, an interface name
     raw = json.dumps(me).encode()
     assert len(raw) <= 1024, me
     names[: len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
     gathered = [torch.empty_like(names) for _ in range(size)]
     pg.allgather([gathered], [names]).wait()
-    for i, g in enumerate(gathered):
-        hosts[i] = json.loads(bytes(g.tolist()).rstrip(b"\0").decode())
+    hosts = [json.loads(bytes(g.tolist()).rstrip(b"\0").decode()) for g in gathered]
     if rank != 0:
         return None
     matrix = [r.tolist() for r in rows]
     bandwidth = [m[:size] for m in matrix]
-    rtts, least = [m[size:2 * size] for m in matrix], [m[2 * size:] for m in matrix]
-    return summarize(bandwidth, rtts, least, hosts=hosts, nbytes=nbytes, passes=passes, pings=pings,
+    rtts, leasts = [m[size:2 * size] for m in matrix], [m[2 * size:] for m in matrix]
+    return summarize(bandwidth, rtts, leasts, hosts=hosts, nbytes=nbytes, passes=passes, pings=pings,
                      seconds=time.perf_counter() - t0)
 
 
@@ -100,7 +99,7 @@ def summarize(bandwidth: list[list[float]], rtts: list[list[float]], least: list
     n = len(bandwidth)
     view = Links([[x if i != j else math.nan for j, x in enumerate(r)] for i, r in enumerate(bandwidth)])
     slow_hosts = [h for h in range(n) if n > 2 and view.cap[h] < CONGESTED * max(view.cap)]
-    links = []
+    links: list[dict[str, Any]] = []
     for i in range(n):
         for j in range(i + 1, n):
             rate = min(_v(bandwidth[i][j]), _v(bandwidth[j][i]))
@@ -273,10 +272,12 @@ def run_hosts(*, hosts: int, endpoint: str, node_rank: int, interface: str | Non
     result = measure(pg, rank=node_rank, size=hosts, nbytes=nbytes, passes=passes, pings=pings,
                      me={"name": socket.gethostname(), "address": address,
                          "interface": bind.get("GLOO_SOCKET_IFNAME") or os.environ.get("GLOO_SOCKET_IFNAME")})
-    pg.barrier().wait()  # node 0's store must outlive every host's last read
+    # node 0's store must outlive every host's last read; torch's Backend stub (ProcessGroupGloo's) lacks barrier
+    pg.barrier().wait()  # type: ignore[attr-defined]
     if node_rank != 0:
         print(f"node {node_rank}: probed; the table is on node 0", flush=True)
         return None
+    assert result is not None  # host 0 gets the whole picture
     result.update(mode="hosts", endpoint=endpoint, congest=[])
     _report(result, title=f"dtk probe: {hosts} hosts at {endpoint} ({human(nbytes)} x {passes} passes, "
                           f"{pings} pings per link)", json_out=json_out, show=show)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal, Optional, Sequence, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -322,10 +322,12 @@ def _semantic_lines(r: Recipe) -> list[str]:
         # release and the selective recompute's saved matrix products do not agree); full checkpointing matches
         lines.append("training.activation_checkpointing: 'selective' is not offered for strategy.name 'zero3' (its "
                      "losses drift from the run without); accepted: none, full")
-    if r.data.name == "cifar10" and not r.data.path:
-        lines.append("data.path: missing; data 'cifar10' needs the folder of its binary batches (cifar-10-batches-bin)")
-    elif r.data.name == "cifar10" and not Path(r.data.path).is_dir():
-        lines.append(f"data.path: got {r.data.path!r}; no such folder")
+    if r.data.name == "cifar10":
+        if not r.data.path:
+            lines.append("data.path: missing; data 'cifar10' needs the folder of its binary batches "
+                         "(cifar-10-batches-bin)")
+        elif not Path(r.data.path).is_dir():
+            lines.append(f"data.path: got {r.data.path!r}; no such folder")
     if r.strategy.name.startswith("gcpsl"):
         lines += _split_learning_lines(r)
     if r.data.name == "text":
@@ -377,6 +379,7 @@ def _schedule_lines(r: Recipe) -> list[str]:
 def _hf_lines(r: Recipe, token_data: bool, *, data_ok: bool = True) -> list[str]:
     """model.hf: the checks that need no model first; transformers' own only when nothing else is wrong."""
     hf, lines = r.model.hf, []
+    assert hf is not None  # called only for a model.hf recipe
     if r.model.target:
         lines.append(f"model.target: got {r.model.target!r} and model.hf; accepted: one of them")
     if (hf.model_type is None) == (hf.path is None):
@@ -523,7 +526,7 @@ RENAMED = {("training", "warmup_steps"): "renamed: the learning rate's warmup is
            ("model", "dtype"): "not a key: the weights' dtype is training.precision; accepted there: fp32, bf16"}
 
 
-def build(tree: dict, overrides: list[str] = ()) -> Recipe:
+def build(tree: dict, overrides: Sequence[str] = ()) -> Recipe:
     tree = copy.deepcopy(tree)
     for path, value in parse_overrides(list(overrides)):
         _apply(tree, path, value, ".".join(path))
@@ -541,7 +544,7 @@ def build(tree: dict, overrides: list[str] = ()) -> Recipe:
     return recipe
 
 
-def load(path: str | Path, overrides: list[str] = ()) -> Recipe:
+def load(path: str | Path, overrides: Sequence[str] = ()) -> Recipe:
     """Read, override and validate a recipe; raises DtkError with every problem found."""
     return build(read_file(path), overrides)
 

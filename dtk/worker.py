@@ -201,6 +201,7 @@ def run_rank() -> None:
             # Built and warmed while the others train: the group is local until the rejoin, so the engine's own
             # start-up collectives (DDP's broadcast, its bucket rebuild) stay on this process.
             engine = build_engine(recipe.strategy.name, ctx)
+            assert warm is not None  # made above for every shadow
             with Seam.uncounted():
                 engine.match_running_layout(*warm)
         elif recipe.strategy.name in REHEARSABLE:

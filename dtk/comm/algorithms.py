@@ -11,8 +11,12 @@ import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed import Work
 
 CHUNK_BYTES = 1 << 20
 """Default largest piece on the wire."""
@@ -25,11 +29,23 @@ def next_call(pg) -> int:
     return next(_calls.setdefault(id(pg), itertools.count()))
 
 
+class PointToPoint(Protocol):
+    """What P2P asks of its inner group (gloo's, or a ProcessGroup)."""
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int, /) -> Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int, /) -> Work: ...
+
+    def rank(self) -> int: ...
+
+    def size(self) -> int: ...
+
+
 @dataclass
 class P2P:
     """Tagged isend/irecv on one inner group for one collective call, timing each transfer per peer."""
 
-    pg: object
+    pg: PointToPoint
     """A group with `send(tensors, dst, tag)` / `recv(tensors, src, tag)` returning works (gloo's)."""
     call: int = -1
     """Which call on the group this is (default: the next): tags of different calls never meet."""
@@ -161,9 +177,11 @@ def tree_links(kind: str, p: int) -> tuple[list[int | None], list[list[int]]]:
         parent = [None] + [v - (v & -v) for v in range(1, p)]
     else:
         raise ValueError(f"tree kind {kind!r}")
-    children = [[] for _ in range(p)]
+    children: list[list[int]] = [[] for _ in range(p)]
     for v in range(1, p):
-        children[parent[v]].append(v)
+        above = parent[v]
+        assert above is not None  # only the root (position 0) has none
+        children[above].append(v)
     return parent, children
 
 
@@ -178,13 +196,16 @@ def tree_all_reduce(p2p: P2P, t: torch.Tensor, *, root: int, kind: str = "binary
     ranks = order[pos:] + order[:pos]  # position v -> rank
     me = ranks.index(p2p.pg.rank())
     parent, children = tree_links(kind, p)
-    up = None if parent[me] is None else ranks[parent[me]]
+    above = parent[me]
+    up = None if above is None else ranks[above]
     downs = [ranks[c] for c in children[me]]
     pieces = _pieces(t.view(-1), chunk_bytes)
     n = len(pieces)
     child_bufs = [] if broadcast_only else [[torch.empty_like(x) for x in pieces] for _ in downs]
     child_recvs = [[p2p.irecv(b, c, p2p.tag(0, 0, i)) for i, b in enumerate(bufs)] for c, bufs in zip(downs, child_bufs)]
-    up_sends, down_sends, bcast_recvs = [], [], {}
+    up_sends: list[_Send] = []
+    down_sends: list[_Send] = []
+    bcast_recvs: dict[int, _Recv] = {}
 
     def reduce_piece(c: int) -> None:
         for recvs, bufs in zip(child_recvs, child_bufs):
@@ -250,11 +271,11 @@ def hierarchical_all_reduce(p2p: P2P, t: torch.Tensor, *, groups: Sequence[Seque
     pieces = _pieces(t.view(-1), chunk_bytes)
     if me != leader:
         sends = [p2p.isend(x, leader, p2p.tag(0, 0, c)) for c, x in enumerate(pieces)]
-        recvs = []
+        results = []
         for c, (s, x) in enumerate(zip(sends, pieces)):
             s.wait()  # the piece is out: its result may land on it
-            recvs.append(p2p.irecv(x, back.get(me, leader), p2p.tag(1, 0, c)))
-        _wait_all(recvs)
+            results.append(p2p.irecv(x, back.get(me, leader), p2p.tag(1, 0, c)))
+        _wait_all(results)
         return
     members = list(group[1:])
     leaders = [g[0] for g in groups]

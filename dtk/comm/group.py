@@ -139,7 +139,8 @@ class SeamWork(dist._Work):
         with _finish_lock:
             if self._future is not None:
                 return self._future
-            self._future = future = torch.futures.Future()
+            future: torch.futures.Future = torch.futures.Future()
+            self._future = future
             done = self._done
         if done:
             future.set_result(self._result)
@@ -232,16 +233,17 @@ class DtkGroup(dist.ProcessGroup):
     """A process group that forwards to an inner gloo (CPU) or NCCL (CUDA) group of the same ranks."""
 
     def __init__(self, *, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta, use_nccl: bool):
-        super().__init__(rank, size)
+        # torch's stub lists only the (store, rank, size) constructor; (rank, size) is the other overload
+        super().__init__(rank, size)  # type: ignore[call-arg]
         self._rank = rank
         self._store, self._timeout, self._use_nccl = store, timeout, use_nccl
-        self._inner_cpu: dist.ProcessGroup | None = None
-        self._inner_cuda: dist.ProcessGroup | None = None
+        self._inner_cpu: dist.ProcessGroupGloo | None = None  # c10d Backends, not ProcessGroups
+        self._inner_cuda: dist.ProcessGroupNCCL | None = None
         self._retired: list = []
         self._world = size
         self._name = self._desc = ""
         self.outstanding: set[SeamWork] = set()
-        self.router = None
+        self.router: Router | None = None
         if not Seam.joining:
             self.rebuild(Seam.generation)
         Seam.groups.append(self)
@@ -400,7 +402,8 @@ class DtkGroup(dist.ProcessGroup):
         return self._run("all_to_all", [input], [output],
                          lambda g: g.alltoall_base(output, input, output_split_sizes, input_split_sizes, opts))
 
-    all_to_all_single = alltoall_base
+    # the stub's overloads take opts optional (or a timeout); the C++ side calls this with all five arguments
+    all_to_all_single = alltoall_base  # type: ignore[assignment]
 
     def alltoall(self, outputs, inputs, opts):
         return self._run("all_to_all", inputs, outputs, lambda g: g.alltoall(outputs, inputs, opts))

@@ -8,7 +8,10 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:  # dispatch imports the seam at run time; here the router is only named
+    from dtk.comm.dispatch import Router
 
 log = logging.getLogger("dtk.comm.group")
 
@@ -17,7 +20,7 @@ class SeamGroup(Protocol):
     """What the seam asks of each group it holds (dtk.comm.group.DtkGroup)."""
 
     outstanding: set
-    router: object
+    router: Router | None
 
     def size(self) -> int: ...
 

@@ -164,8 +164,10 @@ def prepare(*, sources: list[str], out: str, tokenizer: str | None, train_tokeni
         train_ds = [_load(s, field=field, cache_dir=cache, num_proc=procs, flag="SRC") for s in train_sources]
         val_ds = [_load(s, field=field, cache_dir=cache, num_proc=procs, flag="--val") for s in val_sources]
         if tok is None:
+            assert train_tokenizer is not None  # exactly one of the two, checked above
             tok = vocab.train_bpe((t for texts in _texts(train_ds) for t in texts), vocab_size=train_tokenizer)
             eot = vocab.end_of_text_id(tok)
+        assert eot is not None  # set with tok, whichever way it came
         tok.save_pretrained(str(tmp / "tokenizer"))
         dtype = token_dtype(len(tok))
         total = sum(len(d) for d in train_ds + val_ds)

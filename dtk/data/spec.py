@@ -3,7 +3,7 @@ generator that makes every batch a function of (seed, step, rank, micro-step).""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeGuard
 
 import torch
 
@@ -27,7 +27,13 @@ class Dataset(Protocol):
     # batches at every evaluation (dtk.evaluation draws index = batch * world + rank).
 
 
-def has_validation(dataset) -> bool:
+class ValidatedDataset(Dataset, Protocol):
+    """A data set with a validation split."""
+
+    def val_batch(self, *, index: int, size: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def has_validation(dataset) -> TypeGuard[ValidatedDataset]:
     return callable(getattr(dataset, "val_batch", None))
 
 

@@ -1,7 +1,7 @@
 """Model registry: built-in models by name, a user's `package.module:function`, or a transformers model (model.hf)."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable, Protocol, cast
 
 import torch
 from torch import nn
@@ -75,11 +75,16 @@ def shard_units(model: nn.Module, *, names: list[str] | tuple[str, ...] = ()) ->
     return find_wrap_units(model, names=names)
 
 
+class _Chain(Protocol):
+    def layers_in_order(self) -> Iterable[nn.Module]: ...
+
+
 def layers_in_order(model: nn.Module) -> list[nn.Module]:
     """The model as a chain of modules whose composition is its forward: where split learning may cut it.
     A model offers it as `layers_in_order()`, or is an nn.Sequential."""
     if hasattr(model, "layers_in_order"):
-        return list(model.layers_in_order())
+        # hasattr does not narrow nn.Module, whose __getattr__ types every undeclared attribute as Tensor | Module
+        return list(cast(_Chain, model).layers_in_order())
     if isinstance(model, nn.Sequential):
         return list(model)
     raise DtkError(f"model: {type(model).__name__} cannot be cut into a chain of layers; accepted: model.name cnn, "

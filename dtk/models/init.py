@@ -49,7 +49,7 @@ def default_init(root: nn.Module) -> ModuleInit:
 
 def _groups(model: nn.Module, units: list[str]) -> Iterator[list[tuple[str, nn.Module]]]:
     """Each unit with all its modules, then every module outside the units; children before parents."""
-    inside = set()
+    inside: set[str] = set()
     for name in units:
         members = [(f"{name}.{n}" if n else name, m) for n, m in model.get_submodule(name).named_modules()]
         inside.update(n for n, _ in members)
@@ -106,7 +106,11 @@ def _get(model: nn.Module, name: str) -> torch.Tensor:
     owner, _, leaf = name.rpartition(".")
     module = model.get_submodule(owner)
     found = module._parameters.get(leaf)
-    return found if found is not None else module._buffers[leaf]
+    if found is not None:
+        return found
+    buffer = module._buffers[leaf]
+    assert buffer is not None  # the names come from _direct, which skips None entries
+    return buffer
 
 
 def ties(model: nn.Module) -> list[list[str]]:

@@ -57,7 +57,7 @@ class SliceReader:
         (tied parameters, or ones the caller's init gave)."""
         from safetensors import safe_open
 
-        wanted = dict(target.named_parameters(remove_duplicate=False))
+        wanted: dict[str, torch.Tensor] = dict(target.named_parameters(remove_duplicate=False))
         wanted.update(target.named_buffers())
         found: set[str] = set()
         for path in self.files:

@@ -95,9 +95,11 @@ class XorLayout:
         total = np.zeros((self.k, self.chunk), dtype=np.uint8)
         for member in range(self.k):
             if member != lost:
-                rows = self.rows(datas[member], member)
+                data, parity = datas[member], parities[member]
+                assert data is not None and parity is not None  # None only for the lost member
+                rows = self.rows(data, member)
                 np.bitwise_xor(total, self.contribution(member=member, lost=lost, rows=rows,
-                                                        parity=parities[member]), out=total)
+                                                        parity=parity), out=total)
         return self.flat(total, lost)
 
 
@@ -225,10 +227,13 @@ class RSLayout:
                 parity[(s, p)] = shards[p]
         return [np.concatenate([parity[sp] for sp in self.held(j)]) for j in range(self.g)]
 
-    def shard_of(self, *, member: int, stripe: int, flat: np.ndarray, parity: np.ndarray) -> np.ndarray:
-        """What surviving `member` sends to rebuild `stripe`: its data chunk, or its parity shard of it."""
+    def shard_of(self, *, member: int, stripe: int, flat: np.ndarray | None, parity: np.ndarray | None) -> np.ndarray:
+        """What surviving `member` sends to rebuild `stripe`: its data chunk, or its parity shard of it (only the
+        one it sends need be given)."""
         if member in self.data_members(stripe):
+            assert flat is not None
             return self.chunk_of(flat, member, stripe)
+        assert parity is not None
         p = self.holders(stripe).index(member)
         q = [sp[1] for sp in self.held(member)].index(p)
         return parity[q * self.chunk:(q + 1) * self.chunk]

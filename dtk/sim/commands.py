@@ -134,10 +134,11 @@ def productivity(
 
     checkpoint = prod.Checkpoint(every_s=every, save_s=checkpoint_save_s, restart_s=restart_s,
                                  restart_per_doubling_s=restart_per_doubling_s)
-    built = {"checkpoint": checkpoint,
-             "inplace": prod.InPlace(recovery_s=recovery, protection_cost=cost, redo_s=redo_s,
-                                     fallback=inplace_fallback, checkpoint=checkpoint),
-             "replica": prod.Replica(replicas=replicas, stall_s=replica_stall_s, rejoin_s=replica_rejoin_s)}
+    inplace = prod.InPlace(recovery_s=recovery, protection_cost=cost, redo_s=redo_s, fallback=inplace_fallback,
+                           checkpoint=checkpoint)
+    built: dict[str, prod.Method] = {
+        "checkpoint": checkpoint, "inplace": inplace,
+        "replica": prod.Replica(replicas=replicas, stall_s=replica_stall_s, rejoin_s=replica_rejoin_s)}
     methods = {name: built[name] for name in names}
     rows = prod.study(gpus=sizes, methods=methods, gpus_per_node=gpus_per_node, days=days, seed=seed,
                       failures_per_1000_node_days=failures_per_1000_node_days, target=target)
@@ -148,7 +149,7 @@ def productivity(
     if "inplace" in methods:
         out.print(f"inplace recovery {recovery:.2f} s per failure: {source}", highlight=False)
         out.print(f"inplace protection cost {cost:.1%} of the throughput: {cost_source}", highlight=False)
-        crossover = prod.crossover_gpus(methods["inplace"], checkpoint, gpus_per_node=gpus_per_node, days=days,
+        crossover = prod.crossover_gpus(inplace, checkpoint, gpus_per_node=gpus_per_node, days=days,
                                         failures_per_1000_node_days=failures_per_1000_node_days,
                                         up_to=max(max(sizes), 10_000_000))
         out.print(output.crossover_line(crossover, up_to=max(max(sizes), 10_000_000)), highlight=False)
@@ -195,10 +196,11 @@ def congestion(
 
     if topology not in cg.TOPOLOGIES:
         raise DtkError(f"--topology: got {topology!r}; accepted: {', '.join(cg.TOPOLOGIES)}")
-    for value, flag, low in ((hosts, "--hosts", 3), (hosts_per_leaf, "--hosts-per-leaf", 1), (spines, "--spines", 1),
-                             (rails, "--rails", 1), (trials, "--trials", 1), (testbed_hosts, "--testbed-hosts", 3)):
-        if value < low:
-            raise DtkError(f"{flag}: got {value}; accepted: an integer >= {low}")
+    for value, flag, least in ((hosts, "--hosts", 3), (hosts_per_leaf, "--hosts-per-leaf", 1),
+                               (spines, "--spines", 1), (rails, "--rails", 1), (trials, "--trials", 1),
+                               (testbed_hosts, "--testbed-hosts", 3)):
+        if value < least:
+            raise DtkError(f"{flag}: got {value}; accepted: an integer >= {least}")
     _positive(link_gbps, "--link-gbps")
     _positive(alpha_us, "--alpha-us", zero_ok=True)
     nbytes = parse_size(size, "--size")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 from functools import cached_property
+from typing import TypeAlias
 
 import numpy as np
 
@@ -22,6 +23,9 @@ PAYLOAD_PER_FRAME = 1448 / 1514
 # (FACTS.md), i.e. each ring hop moved 4/3 x 64 MiB in ~0.15 s
 TESTBED_HOST_BPS = 4 / 3 * 64 * 2**20 / 0.15
 
+Routes: TypeAlias = dict[tuple[int, int], list[tuple[int, ...]]]
+"""Per ordered host pair, its parallel paths, each the link ids it crosses."""
+
 
 @dataclass(frozen=True)
 class Network:
@@ -30,7 +34,7 @@ class Network:
     hosts: int
     capacity: np.ndarray
     names: list[str]
-    routes: dict[tuple[int, int], list[tuple[int, ...]]]
+    routes: Routes
     host_links: list[list[int]] = field(default_factory=list)  # per host: the links only its own traffic uses
 
     @cached_property
@@ -62,7 +66,7 @@ class Phase:
 def star(*, hosts: int, host_bps: float) -> Network:
     cap = np.full(2 * hosts, float(host_bps))
     names = [f"host{h} {d}" for h in range(hosts) for d in ("out", "in")]
-    routes = {(a, b): [(2 * a, 2 * b + 1)] for a in range(hosts) for b in range(hosts) if a != b}
+    routes: Routes = {(a, b): [(2 * a, 2 * b + 1)] for a in range(hosts) for b in range(hosts) if a != b}
     return Network(hosts, cap, names, routes, [[2 * h, 2 * h + 1] for h in range(hosts)])
 
 
@@ -77,7 +81,7 @@ def fat_tree(*, hosts: int, host_bps: float, hosts_per_leaf: int = 8, spines: in
                 up[leaf, s, d] = len(names)
                 names.append(f"leaf{leaf} {d} spine{s}")
                 cap.append(host_bps * hosts_per_leaf / spines)
-    routes = {}
+    routes: Routes = {}
     for (a, b), [(out, into)] in net.routes.items():
         la, lb = a // hosts_per_leaf, b // hosts_per_leaf
         s = (a * 7 + b * 13) % spines  # ECMP: a fixed hash of the pair picks the spine
@@ -90,7 +94,7 @@ def rails(*, hosts: int, host_bps: float, rails: int = 8) -> Network:
     n_links = 2 * hosts
     cap = np.full(rails * n_links, float(host_bps))
     names = [f"rail{r} host{h} {d}" for r in range(rails) for h in range(hosts) for d in ("out", "in")]
-    routes = {(a, b): [(r * n_links + 2 * a, r * n_links + 2 * b + 1) for r in range(rails)]
+    routes: Routes = {(a, b): [(r * n_links + 2 * a, r * n_links + 2 * b + 1) for r in range(rails)]
               for a in range(hosts) for b in range(hosts) if a != b}
     host_links = [[r * n_links + 2 * h + d for r in range(rails) for d in (0, 1)] for h in range(hosts)]
     return Network(hosts, cap, names, routes, host_links)
@@ -222,7 +226,7 @@ def sweep(net: Network, *, size: float, alpha_s: float, congested: int, keep: tu
         links = rng.choice(len(net.capacity), size=congested, replace=False)
         slowed = congest_links(net, {int(k): net.capacity[k] * rng.uniform(*keep) for k in links})
         times = compare_plans(slowed, size, alpha_s)
-        best = min(times, key=times.get)
+        best = min(times, key=times.__getitem__)
         rows.append({"links": [net.names[k] for k in links], "native_s": times["native ring"],
                      "adaptive_s": times[best], "plan": best, "gain": times["native ring"] / times[best]})
     return rows
@@ -240,7 +244,7 @@ def testbed_predictions(*, hosts: int = 4, host_bps: float = TESTBED_HOST_BPS, s
     for case, net in cases.items():
         for size in sizes:
             times = compare_plans(net, size, alpha_s)
-            best = min(times, key=times.get)
+            best = min(times, key=times.__getitem__)
             for plan, t in times.items():
                 rows.append({"congest": case, "size_bytes": size, "plan": plan, "time_s": t,
                              "algbw_gbps": size / t / 1e9, "gain_vs_native": times["native ring"] / t,

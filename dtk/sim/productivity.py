@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -283,7 +284,7 @@ def study(*, gpus: list[int], methods: dict[str, Method], gpus_per_node: int, fa
         cluster = Cluster(gpus=g, gpus_per_node=gpus_per_node, days=days,
                           failures_per_1000_node_days=failures_per_1000_node_days)
         arrivals = failure_times(cluster, seed=seed)
-        row = {"gpus": g, "nodes": cluster.nodes, "mttf_h": cluster.mttf_s / 3600, "methods": {}}
+        row: dict[str, Any] = {"gpus": g, "nodes": cluster.nodes, "mttf_h": cluster.mttf_s / 3600, "methods": {}}
         for name, method in methods.items():
             outcome = simulate(method, cluster, seed=seed, arrivals=arrivals)
             entry = {"productive_time_ratio": outcome.productive_time_ratio, "failures": outcome.failures,

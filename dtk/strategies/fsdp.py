@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import logging
+from typing import cast
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -13,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from dtk.metrics import append_event
 from dtk.models import shard_units
 from dtk.models.init import retie, ties
+from dtk.models.wrap import WrapUnits
 from dtk.strategies.base import (BuildContext, build_torch_optimizer, clip_and_step, load_torch_checkpoint_state,
                                  loss_fn, materialize_optimizer_state, optimizer_tensors, prepare_blocks, square_sum,
                                  torch_checkpoint_state)
@@ -25,6 +28,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class FSDPEngine:
+    wrap_units: WrapUnits
+    """The modules sharded one by one, set while the model is sharded."""
+
     def __init__(self, ctx: BuildContext):
         r = ctx.recipe
         self.accum, self.clip = r.training.grad_accum, r.optimizer.grad_clip
@@ -91,10 +97,12 @@ def _sharded_model(engine: FSDPEngine, ctx: BuildContext, *, mesh: DeviceMesh, p
         log.info("fsdp wrap units: %s", units.describe())
         if r.output.dir:  # the run folder; report.py puts the last such event in summary.json
             append_event(r.output.dir, {"event": "fsdp_wrap_units", **units.summary()})
-    model = fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy)
+    # fully_shard returns `model` itself, its class now also an FSDPModule; torch types the result FSDPModule alone
+    model = cast(nn.Module, fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy))
     if twin is not None:
         model.to_empty(device=ctx.device)
         retie(model, tied)
+        assert ctx.blueprint is not None  # twin is made from it
         ctx.blueprint.fill(model, twin=twin)
     return model
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from typing import Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,17 @@ log = logging.getLogger(__name__)
 EVAL_CHUNK = 1000
 
 
-def copy_into(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+@runtime_checkable
+class _ImageSplits(Protocol):
+    """The image data sets (digits, cifar10) hold their train and test splits whole: gcpsl samples them itself."""
+
+    train_images: torch.Tensor
+    train_labels: torch.Tensor
+    test_images: torch.Tensor
+    test_labels: torch.Tensor
+
+
+def copy_into(params: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
     """Write a flat vector into the parameters' own storage (torch's vector_to_parameters would make them views of
     one shared vector, and the clusters of gcpsl_serial would then train one tensor)."""
     offset = 0
@@ -93,6 +104,7 @@ class GCPSLEngine:
             raise DtkError(f"strategy.clusters: got {clusters}; gcpsl runs one cluster per rank and this run has "
                            f"{world} ranks; accepted: {world}")
         data = build_dataset(r.data, seed=r.training.seed)
+        assert isinstance(data, _ImageSplits)  # the recipe gives gcpsl image data only
         self.train_x, self.train_y = data.train_images, data.train_labels
         self.test_x, self.test_y = data.test_images, data.test_labels
         self.federation = build_federation(self.train_y, clients=s.clients, clusters=clusters,
@@ -192,6 +204,7 @@ class GCPSLEngine:
             for k, w in self.workloads.items():
                 part = parameters_to_vector(w.params) * self.weights[k]
                 total = part if total is None else total + part
+            assert total is not None  # there is a workload per cluster, at least one
             for w in self.workloads.values():
                 copy_into(w.params, total)
             return
@@ -213,6 +226,7 @@ class GCPSLEngine:
                 correct += int((pair(x).argmax(-1).cpu() == self.test_y[i:i + EVAL_CHUNK]).sum())
         pair.train()
         self.accuracy = correct / max(len(self.test_y), 1)
+        assert self._started_at is not None  # set by the step's forward_backward
         trained = t0 - self._started_at - self._eval_seconds
         self._eval_seconds += time.perf_counter() - t0
         if self.target is not None and self.time_to_target_s is None and self.accuracy >= self.target:

@@ -40,7 +40,9 @@ def split_no_decay(model: nn.Module, no_decay: list[str]) -> tuple[list[nn.Param
     patterns = [p for p in no_decay if p not in CATEGORIES]
     wanted = set(no_decay) & set(CATEGORIES)
     matched: set[str] = set()
-    decay, keep, seen = [], [], set()
+    decay: list[nn.Parameter] = []
+    keep: list[nn.Parameter] = []
+    seen: set[int] = set()
     for module_name, module in model.named_modules():
         for local, p in module.named_parameters(recurse=False):
             if id(p) in seen:

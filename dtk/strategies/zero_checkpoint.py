@@ -54,8 +54,8 @@ def _layout_stage12(opt, names: dict[int, str], rank: int, world: int) -> tuple[
                 lo, hi = max(offset, r * size), min(offset + n, (r + 1) * size)
                 held.append((lo - offset, hi - lo) if hi > lo else None)
             everyone.append(held)
-            if held[rank]:
-                start, length = held[rank]
+            if span := held[rank]:
+                start, length = span
                 pieces.append(Piece(name=names[id(p)], numel=n, start=start, length=length, flat=g,
                                     at=offset + start - rank * size))
             else:

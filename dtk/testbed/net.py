@@ -17,6 +17,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from dtk.errors import DtkError
 
@@ -252,7 +253,7 @@ def status() -> list[dict]:
     out = []
     for tag in tags:
         path = STATE_DIR / f"{tag}.json"
-        s = json.loads(path.read_text()) if path.exists() else {"tag": tag}
+        s: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {"tag": tag}
         hosts = sorted(ns for ns in namespaces() if re.fullmatch(rf"{PREFIX}{tag}h\d+", ns))
         owner = s.get("owner")
         out.append({"tag": tag, "hosts": len(hosts), "subnet": s.get("subnet"), "owner": owner,

@@ -189,6 +189,7 @@ class TestbedRun:
         while any(p.poll() is None for p in self.procs[1:]) and time.monotonic() < deadline:
             time.sleep(POLL_SECONDS)
         codes = [p.poll() for p in self.procs]
+        assert codes[0] is not None  # the loop above ran until node 0's launcher exited
         append_event(self.run_dir, {"event": "launchers ended", "exit_codes": codes})
         summary = self.run_dir / "summary.json"
         if not summary.exists():

@@ -31,6 +31,7 @@ def apply(bed: Testbed, specs: list[Congestion]) -> None:
             rule(bed.host(c.host), IFNAME, default=c.rate, rate=c.rate)        # host -> bridge
             rule(bed.bridge_ns, f"h{c.host}", default=c.rate, rate=c.rate)     # bridge -> host
         else:
+            assert c.pair is not None  # a congestion names a host or a pair
             i, j = c.pair
             rule(bed.host(i), IFNAME, dst=bed.ip(j), rate=c.rate)
             rule(bed.host(j), IFNAME, dst=bed.ip(i), rate=c.rate)
@@ -67,6 +68,7 @@ def _htb(ns: str, dev: str, default: str | None, pairs: dict[str, str]) -> None:
 
 def _scaled(rate: str, share: float) -> str:
     m = _RATE.match(rate)
+    assert m is not None  # rates were parsed when the congestion was
     return f"{max(1, int(float(rate[: m.start(2)]) * _UNITS[m.group(2)] * share))}bit"
 
 
