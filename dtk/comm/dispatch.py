@@ -182,7 +182,8 @@ class Router:
             check.after += calls[kind]
         periodic = self.state.plan != {k: NATIVE for k in self.state.plan} and \
             self.boundaries - self.last_probe >= PROBE_EVERY
-        want = 1.0 if (self.last_probe < 0 or slow or periodic) else 0.0
+        # why this rank asks for a probe, as a rank the MAX keeps: every rank then names the same reason
+        want = 3.0 if self.last_probe < 0 else 2.0 if slow else 1.0 if periodic else 0.0
         # one tiny all-reduce carries both the "probe?" flag and every pending check's figures
         flags = torch.tensor([want] + [x for k in KINDS for x in (self.checks[k].figures() if k in self.checks
                                                                     else [0.0] * FIGURES)], dtype=torch.float64)
@@ -191,7 +192,7 @@ class Router:
         events = self._check(agreed[1:], step)
         if not agreed[0]:
             return events
-        reason = "first boundary" if self.last_probe < 0 else ("native collective slowed" if slow else "recheck")
+        reason = {3: "first boundary", 2: "native collective slowed", 1: "recheck"}[int(agreed[0])]
         self.last_probe = self.boundaries
         t0 = time.perf_counter()
         row = torch.tensor(self.monitor.probe(self.ctl), dtype=torch.float64)
