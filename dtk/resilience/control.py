@@ -143,12 +143,14 @@ class Control:
 
     def stop_at(self, step: int) -> int | None:
         """Once preempted: the number of committed steps at which every rank stops, agreed through the store. The
-        first rank to ask proposes its own count + 1: ranks run in lockstep (every step has collectives), so no rank
-        is more than one step ahead of another, and none has passed it."""
+        first rank to ask proposes its own count + 2. Ranks run in lockstep (every step has collectives), so another
+        rank is at most one step ahead, and it may have passed that boundary before its own watcher saw the preempt
+        flag: it next asks at count + 2, which it has not passed (with + 1 it ran on alone while this rank saved, and
+        both waited for ever)."""
         if not self.preempted:
             return None
         if self._stop_at is None:
-            self._stop_at = int(self.store.compare_set(keys.PREEMPT_STOP_AT, "", str(step + 1)).decode())
+            self._stop_at = int(self.store.compare_set(keys.PREEMPT_STOP_AT, "", str(step + 2)).decode())
         return self._stop_at
 
     def finish(self, step: int) -> None:
