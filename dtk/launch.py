@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from dtk import recipe as recipes
 from dtk.metrics import append_event
-from dtk.netif import backend_env
+from dtk.netif import backend_env, own_addresses
 from dtk.parentdeath import die_with_parent
 from dtk.report import ProgressLine, write_summary
 from dtk.resilience import faults
@@ -220,7 +220,10 @@ def launch(recipe: recipes.Recipe, *, recipe_path: str | None, topology: Topolog
     local = LocalView(processes=host, state=state, run_dir=run_dir)
     role = node_role(nnodes=topology.nnodes, node=node, mode=recipe.resilience.mode, nproc=recipe.world.nproc,
                      local=local, state=state, run_store=run_store)
-    run_store.set(keys.joined(node), json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+    # node 0 maps the address a survivor's broken connection names to the node lost (several nodes)
+    addresses = own_addresses() if topology.nnodes > 1 else []
+    run_store.set(keys.joined(node), json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                                 "addresses": addresses}))
     board = faults.FaultBoard(run_store=run_store, run_dir=run_dir, world=world, nnodes=topology.nnodes,
                               schedule=list(fault_schedule or []), schedule_kind=schedule_kind,
                               steps=recipe.training.steps, mode=recipe.resilience.mode)

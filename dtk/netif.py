@@ -42,6 +42,12 @@ def interfaces() -> dict[str, Interface]:
     return out
 
 
+def own_addresses() -> list[str]:
+    """This host's (namespace's) addresses but the loopback ones: what a peer's broken connection names it by."""
+    return sorted({a for i in interfaces().values() for a in i.addresses
+                   if not (a.startswith("127.") or a == "::1")})
+
+
 def _read(path: Path) -> str | None:
     try:
         return path.read_text().strip()

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dtk.comm.dispatch import Router
-from dtk.comm.seam import Seam, bus_factor
+from dtk.comm.seam import Seam, broken_peer, bus_factor
 
 BACKEND_NAME = "dtk"
 log = logging.getLogger(__name__)
@@ -50,7 +50,7 @@ class SeamWork(dist._Work):
     def _failed(self, e: Exception) -> None:
         # a peer died or the group was aborted: flag it, never raise into the strategy
         Seam.release(f"{self._kind} failed on rank {self._group.rank()}: {str(e).splitlines()[0][:200]}",
-                     generation=self._generation)
+                     generation=self._generation, peer=broken_peer(str(e)))
 
     def _on_inner_done(self, fut) -> None:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -14,6 +15,16 @@ if TYPE_CHECKING:  # dispatch imports the seam at run time; here the router is o
     from dtk.comm.dispatch import Router
 
 log = logging.getLogger("dtk.comm.group")
+
+_BROKEN = re.compile(r"(?:Read error|Write error|Connection closed by peer|Socket closed) \[([^\]]+)\]:\d+")
+
+
+def broken_peer(message: str) -> str | None:
+    """The peer's address in a gloo error that says the connection to it broke ("Read error [10.0.1.2]:41234:
+    Connection reset by peer", "Connection closed by peer [10.0.1.2]:41234"): its process died, or its host did.
+    None for any other error (a timeout names no peer)."""
+    found = _BROKEN.search(message)
+    return found.group(1) if found else None
 
 
 class SeamGroup(Protocol):
@@ -101,6 +112,9 @@ class Seam:
     failed_generation = -1
     failed_at = 0.0
     """Wall-clock time at which this process's collectives were released (the seam saw the failure)."""
+    broken: tuple[int, str] | None = None
+    """(generation, address): the peer the first broken connection of a failed generation named; the rank's control
+    thread posts it for the launcher, which maps it to a node (a lost host is found without waiting for silence)."""
     generation = 0
     comm_mode = "native"
     """recipe comm.mode: "adaptive" gives each DtkGroup a router (dtk.comm.dispatch) that follows the planner."""
@@ -126,11 +140,14 @@ class Seam:
             cls._counting.on = True
 
     @classmethod
-    def release(cls, reason: str, *, generation: int | None = None) -> None:
+    def release(cls, reason: str, *, generation: int | None = None, peer: str | None = None) -> None:
         """A peer failed: complete every outstanding collective now (its result is meaningless) and flag the step.
-        A notice about an older generation (a retired group's late error) is ignored."""
+        A notice about an older generation (a retired group's late error) is ignored. `peer`: the address a broken
+        connection named."""
         if generation is not None and generation != cls.generation:
             return
+        if peer is not None and (cls.broken is None or cls.broken[0] != cls.generation):
+            cls.broken = (cls.generation, peer)
         if cls.failed_generation != cls.generation:
             cls.failed_generation = cls.generation
             cls.failure = reason

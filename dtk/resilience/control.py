@@ -64,12 +64,18 @@ class Control:
 
     def _watch(self) -> None:
         last_beat = 0.0
+        posted = -1  # the generation whose broken connection this rank has posted
         while not self._stop.wait(POLL_SECONDS):
             try:
                 generation = Seam.generation
                 key = keys.failure(generation)
                 if Seam.failed_generation != generation and self._watch_store.check([key]):
                     Seam.release(self._watch_store.get(key).decode(), generation=generation)
+                if Seam.broken is not None and Seam.broken[0] == generation and posted != generation:
+                    line = json.dumps({"rank": self.rank, "peer": Seam.broken[1]}) + "\n"
+                    # torch's stubs lack Store.append
+                    self._watch_store.append(keys.peer_errors(generation), line)  # type: ignore[attr-defined]
+                    posted = generation
                 if time.monotonic() - last_beat > keys.BEAT_SECONDS:
                     outstanding = sum(len(g.outstanding) for g in Seam.groups)
                     self._watch_store.set(keys.beat(self.rank), json.dumps(

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from dtk.metrics import append_event, read_jsonl
 from dtk.resilience import protocol as keys
 from dtk.resilience.faults import CORRUPT_EXIT
+from dtk.resilience.nodes import NodeLoss
 from dtk.resilience.recovery import InPlaceFigures
 from dtk.resilience.watches import signal_name
 
@@ -80,9 +81,11 @@ class FailureRecord:
     fault_spec: str | None = None
     """The id of the fault that fired (dtk caused it)."""
     detected_by: str | None = None
-    """"node heartbeat", "checksum" or "heartbeat"; None: the process exit."""
+    """"connection error" or "node heartbeat" (its node lost), "checksum" or "heartbeat"; None: the process exit."""
     node_lost: int | None = None
     node_silent_s: float | None = None
+    node_address: str | None = None
+    """The lost node's address a survivor's broken connection named (detected by "connection error")."""
     hang_detected_at: float | None = None
     in_place: InPlaceFigures | None = None
     restart: CheckpointRestart | None = None
@@ -149,7 +152,7 @@ _ALWAYS = {"fault_time", "detect_s", "downtime_s"}
 
 
 def describe_failure(*, rank: int, code: int | None, t_detect: float, attempt: int, generation: int, committed: int,
-                     fired: dict | None, lost_node: int | None, node_silent_s: float | None,
+                     fired: dict | None, lost_node: int | None, node_loss: NodeLoss | None,
                      hung_at: float | None) -> FailureRecord:
     """What failed, when it was caused (if dtk caused it: `fired`, the fault that fired on it) and at which step.
     `code` None: nobody saw the rank exit (it was lost with its node `lost_node`)."""
@@ -167,7 +170,10 @@ def describe_failure(*, rank: int, code: int | None, t_detect: float, attempt: i
     if fired is not None:
         record.step, record.fault_time, record.fault_spec = fired["at_step"], fired["time"], fired["id"]
     if lost_node is not None:
-        record.detected_by, record.node_lost, record.node_silent_s = "node heartbeat", lost_node, node_silent_s
+        record.node_lost = lost_node
+        if node_loss is not None:
+            record.detected_by, record.node_silent_s = node_loss.detected_by, node_loss.silent_s
+            record.node_address = node_loss.address
     if code == CORRUPT_EXIT:
         record.detected_by = "checksum"
     if hung_at is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch.distributed as dist
@@ -28,6 +29,23 @@ NODE_SILENT_S = 3.0
 20 ms: 30 beats missed in a row do not happen to a live one, even on a loaded machine."""
 NODE_SUSPECT_S = 1.0
 """...or for this long while a rank is recovering with no rank known dead (its collectives broke: a peer is gone)."""
+NODE_BROKEN_S = 0.3
+"""...or for this long (3 beats) once a survivor's connection to the node's address broke: its processes died. A
+live node whose rank died keeps beating, and reports the death within its 20 ms poll. On a loaded machine the
+silence asked for grows with the node's own record: BROKEN_GAPS x the longest gap between two of its beats."""
+BROKEN_GAPS = 1.5
+
+
+@dataclass(frozen=True, slots=True)
+class NodeLoss:
+    """Why node 0 took a node for lost."""
+
+    silent_s: float
+    """How long its launcher had been silent."""
+    detected_by: str
+    """"connection error" (a survivor's connection to it broke, and it fell silent) or "node heartbeat" (silence)."""
+    address: str | None = None
+    """The node's address the broken connection named."""
 
 
 class NodeBeat:
@@ -50,25 +68,32 @@ class NodeBeat:
 
 
 class NodeWatch:
-    """Node 0: the nodes whose launcher stopped beating for NODE_SILENT_S (those that left at the end excepted)."""
+    """Node 0: the nodes whose launcher stopped beating (those that left at the end excepted): for NODE_SILENT_S,
+    or for less when the ranks' collectives say a peer is gone (NODE_SUSPECT_S) or name the node's address in a
+    broken connection (NODE_BROKEN_S, or more for a node seen to beat irregularly)."""
 
     def __init__(self, *, run_store, nnodes: int):
         self.store, self.nnodes = run_store, nnodes
         self.seen: dict[int, tuple[int, float]] = {}
-        self.lost: dict[int, float] = {}
-        """node -> how long it had been silent when it was declared lost"""
+        self.longest_gap: dict[int, float] = {}
+        """node -> the longest time between two of its beats seen so far (its launcher alive)"""
+        self.lost: dict[int, NodeLoss] = {}
+        self._addresses: dict[str, int] | None = None
+        self._unknown: set[str] = set()
         self._next = 0.0
 
-    def silent(self, *, suspect=lambda: False, active=lambda node: True) -> list[int]:
-        """Nodes newly found silent (each once); they are marked lost in the store: a node that was only slow
+    def silent(self, *, suspect=lambda: False, active=lambda node: True, named=lambda: []) -> list[int]:
+        """Nodes newly found lost (each once); they are marked lost in the store: a node that was only slow
         reads that and stops its ranks (never two processes for one rank). `suspect()`: a peer is known to be gone
         (a rank's collectives broke and no death explains it), so a shorter silence is enough; asked only of a node
-        silent that long. `active(node)`: whether the node still has ranks to run (one whose ranks are all done may be
-        writing its summary)."""
+        silent that long. `named()`: the addresses the ranks' broken connections named in this generation.
+        `active(node)`: whether the node still has ranks to run (one whose ranks are all done may be writing its
+        summary)."""
         now = time.monotonic()
         if now < self._next:
             return []
-        self._next = now + NODE_BEAT_S
+        broken = {self._node_at(a): a for a in named()}
+        self._next = now + (0.0 if broken else NODE_BEAT_S)  # a node named: decide at the launcher's own poll
         out = []
         for node in range(1, self.nnodes):
             if node in self.lost or not self.store.check([keys.joined(node)]) or self.store.check([keys.left(node)]):
@@ -76,13 +101,41 @@ class NodeWatch:
             beats = self.store.add(keys.node_beat(node), 0)
             count, since = self.seen.get(node, (-1, now))
             if beats != count:
+                if count >= 0:
+                    self.longest_gap[node] = max(self.longest_gap.get(node, 0.0), now - since)
                 self.seen[node] = (beats, now)
-            elif (now - since > NODE_SILENT_S or (now - since > NODE_SUSPECT_S and suspect())) and active(node):
-                self.lost[node] = now - since
-                self.store.set(keys.node_lost(node), f"node 0 heard nothing from this node's launcher for "
-                                                f"{now - since:.1f}s and took it for lost")
-                out.append(node)
+                continue
+            quiet = now - since
+            if node in broken and quiet > self.broken_wait(node) and active(node):
+                loss = NodeLoss(silent_s=quiet, detected_by="connection error", address=broken[node])
+                said = (f"a rank's connection to this node ({broken[node]}) broke and node 0 heard nothing from "
+                        f"this node's launcher for {quiet:.1f}s: it took the node for lost")
+            elif (quiet > NODE_SILENT_S or (quiet > NODE_SUSPECT_S and suspect())) and active(node):
+                loss = NodeLoss(silent_s=quiet, detected_by="node heartbeat")
+                said = f"node 0 heard nothing from this node's launcher for {quiet:.1f}s and took it for lost"
+            else:
+                continue
+            self.lost[node] = loss
+            self.store.set(keys.node_lost(node), said)
+            out.append(node)
         return out
+
+    def broken_wait(self, node: int) -> float:
+        """The silence after which a node named by a broken connection is lost."""
+        return min(NODE_SUSPECT_S, max(NODE_BROKEN_S, BROKEN_GAPS * self.longest_gap.get(node, 0.0)))
+
+    def _node_at(self, address: str) -> int | None:
+        """The node (k > 0) whose host has `address`; None when no node, or more than one (nodes of one host)."""
+        if self._addresses is None or (address not in self._addresses and address not in self._unknown):
+            self._unknown.add(address)
+            owners: dict[str, set[int]] = {}
+            for node in range(1, self.nnodes):
+                joined = keys.read_json(self.store, keys.joined(node)) if self.store.check([keys.joined(node)]) \
+                    else None
+                for a in (joined or {}).get("addresses", []) if isinstance(joined, dict) else []:
+                    owners.setdefault(a, set()).add(node)
+            self._addresses = {a: min(k) for a, k in owners.items() if len(k) == 1}
+        return self._addresses.get(address)
 
 
 class NodeReporter:
@@ -178,8 +231,8 @@ class Coordinator:
                 token = json.loads(control.get(keys.beat(r)))["token"]
                 node = self.placement[r]
                 control.set(keys.fenced(token), f"node 0 took node {node} for lost after "
-                                               f"{self.watch.lost[node]:.1f}s without a word from it, and gave rank "
-                                               f"{r} to another process")
+                                               f"{self.watch.lost[node].silent_s:.1f}s without a word from it, and "
+                                               f"gave rank {r} to another process")
 
     def remote_dead(self) -> dict[int, dict]:
         """The ranks other (live) nodes report dead, and have not replaced yet: rank -> {code, detected_at}."""

@@ -160,6 +160,13 @@ def failure(generation: int) -> str:
     return f"gen{generation}/failure"
 
 
+def peer_errors(generation: int) -> str:
+    """Lines {"rank", "peer"} appended by each rank whose connection to a peer broke in `generation` (the address
+    gloo named). Written by the rank's Control; read by node 0's launcher, which maps an address to a node
+    (dtk.resilience.nodes.NodeWatch): a lost host is named by its survivors before its silence is long."""
+    return f"gen{generation}/peer-errors"
+
+
 def plan(generation: int) -> str:
     """{source, step, replaced, record}: how every rank joins `generation`. Written by recovery; read by the ranks."""
     return f"gen{generation}/plan"

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from dtk.resilience import protocol as keys
 from dtk.resilience.failures import FailureRecord
-from dtk.resilience.nodes import Coordinator, NodeBeat, NodeReporter, NodeWatch
+from dtk.resilience.nodes import Coordinator, NodeBeat, NodeLoss, NodeReporter, NodeWatch
 from dtk.resilience.recovery import RunState, RunView
 
 LEAVE_WAIT_S = 15.0
@@ -100,7 +100,8 @@ class SingleNode:
     def fenced(self) -> str | None:
         return None
 
-    def lost_nodes(self, *, suspect: Callable[[], bool], active: Callable[[int], bool]) -> list[int]:
+    def lost_nodes(self, *, suspect: Callable[[], bool], active: Callable[[int], bool],
+                   named: Callable[[], list[str]]) -> list[int]:
         return []
 
     def ranks_of(self, node: int) -> list[int]:
@@ -109,8 +110,8 @@ class SingleNode:
     def lost_node_of(self, rank: int) -> int | None:
         return None
 
-    def silence(self, node: int) -> float:
-        return 0.0
+    def loss(self, node: int) -> NodeLoss | None:
+        return None
 
     def remote_death(self, rank: int) -> dict:
         return {}
@@ -199,8 +200,9 @@ class LeadNode:
     def fenced(self) -> str | None:
         return None
 
-    def lost_nodes(self, *, suspect: Callable[[], bool], active: Callable[[int], bool]) -> list[int]:
-        silent = self.watch.silent(suspect=suspect, active=active)
+    def lost_nodes(self, *, suspect: Callable[[], bool], active: Callable[[int], bool],
+                   named: Callable[[], list[str]]) -> list[int]:
+        silent = self.watch.silent(suspect=suspect, active=active, named=named)
         if silent and self.coordinator is not None:
             self.coordinator.fence_lost()  # a node only cut off for a while must not keep its ranks
         return silent
@@ -226,9 +228,9 @@ class LeadNode:
         node = self.coordinator.node_of(rank) if self.coordinator is not None else rank // self.nproc
         return node if node in self.watch.lost else None
 
-    def silence(self, node: int) -> float:
-        """How long a lost node had been silent when it was declared lost."""
-        return self.watch.lost[node]
+    def loss(self, node: int) -> NodeLoss | None:
+        """Why a lost node was declared lost, and how long it had been silent then."""
+        return self.watch.lost.get(node)
 
     def remote_death(self, rank: int) -> dict:
         """What another node reported of its dead rank: {code, detected_at[, hang_detected_at]}."""
@@ -277,7 +279,8 @@ class FollowerNode:
         """Beat when due; what node 0 said if it took this node for lost (then this node's ranks must stop)."""
         return self.beat.beat()
 
-    def lost_nodes(self, *, suspect: Callable[[], bool], active: Callable[[int], bool]) -> list[int]:
+    def lost_nodes(self, *, suspect: Callable[[], bool], active: Callable[[int], bool],
+                   named: Callable[[], list[str]]) -> list[int]:
         return []
 
     def tend(self, replace: Replace, dead: dict[int, dict]) -> tuple[int, list[int]] | None:
@@ -301,8 +304,8 @@ class FollowerNode:
     def lost_node_of(self, rank: int) -> int | None:
         return None
 
-    def silence(self, node: int) -> float:
-        return 0.0
+    def loss(self, node: int) -> NodeLoss | None:
+        return None
 
     def remote_death(self, rank: int) -> dict:
         return {}

@@ -6,6 +6,7 @@ It acts on the run through a `Host` (this node's processes: dtk.launch.Host) and
 """
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import time
@@ -21,6 +22,7 @@ from dtk.resilience import protocol as keys
 from dtk.resilience.failures import (CheckpointRestart, FailureRecord, committed_steps, describe_failure,
                                      lost_during_recovery)
 from dtk.resilience.faults import FaultBoard
+from dtk.resilience.nodes import NodeLoss
 from dtk.resilience.recovery import RecoveryFailed, RunState, RunView, recover_in_place
 from dtk.resilience.roles import nodes_named
 from dtk.resilience.watches import HangWatch, StormWatch, signal_name
@@ -74,13 +76,15 @@ class NodeRole(Protocol):
 
     def fenced(self) -> str | None: ...
 
-    def lost_nodes(self, *, suspect: Callable[[], bool], active: Callable[[int], bool]) -> list[int]: ...
+    def lost_nodes(self, *, suspect: Callable[[], bool], active: Callable[[int], bool],
+                   named: Callable[[], list[str]]) -> list[int]: ...
 
     def ranks_of(self, node: int) -> list[int]: ...
 
     def lost_node_of(self, rank: int) -> int | None: ...
 
-    def silence(self, node: int) -> float: ...
+    def loss(self, node: int) -> NodeLoss | None:
+        """Why node 0 took `node` for lost (None: it did not)."""
 
     def remote_death(self, rank: int) -> dict: ...
 
@@ -175,7 +179,8 @@ class Supervisor:
                 return 1
             if said := self.role.fenced():
                 return self._fence(said)
-            if silent := self.role.lost_nodes(suspect=self._peer_gone_unknown, active=self._node_active):
+            if silent := self.role.lost_nodes(suspect=self._peer_gone_unknown, active=self._node_active,
+                                              named=self._broken_peers):
                 if not self.role.coordinates:  # resilience.mode=none: nothing takes the lost ranks
                     return self._stop_for_lost_nodes(silent)
                 next_remote = 0.0  # their ranks are dead now (Coordinator.dead): recovered below
@@ -246,6 +251,13 @@ class Supervisor:
         (a lost host's ranks cannot be reported dead)."""
         return self.hangs.recovering() and not self.control.check([keys.failure(self.state.generation)])
 
+    def _broken_peers(self) -> list[str]:
+        """The addresses the ranks' broken connections named in this generation (dtk.comm.seam.broken_peer)."""
+        key = keys.peer_errors(self.state.generation)
+        if not self.control.check([key]):
+            return []
+        return sorted({json.loads(line)["peer"] for line in self.control.get(key).decode().splitlines() if line})
+
     def _node_active(self, node: int) -> bool:
         """Some rank that `node` runs has not finished (a node whose ranks are all done is not watched)."""
         return any(not self.finished(r) for r in self.role.ranks_of(node))
@@ -268,7 +280,7 @@ class Supervisor:
         return describe_failure(rank=rank, code=code, t_detect=t_detect, attempt=self.state.attempt,
                                 generation=self.state.generation, committed=committed_steps(self.run_dir),
                                 fired=self.board.attribute(rank), lost_node=lost_node,
-                                node_silent_s=self.role.silence(lost_node) if lost_node is not None else None,
+                                node_loss=self.role.loss(lost_node) if lost_node is not None else None,
                                 hung_at=hung_at)
 
     # -- the policy --
@@ -386,12 +398,14 @@ class Supervisor:
 
     def _stop_for_lost_nodes(self, nodes: list[int]) -> int:
         who = nodes_named(nodes, nproc=self.recipe.world.nproc)
-        silent = max(self.role.silence(k) for k in nodes)
+        losses = [loss for k in nodes if (loss := self.role.loss(k)) is not None]
+        silent = max(loss.silent_s for loss in losses)
+        broke = ", and a rank's connection to it broke" if any(loss.address for loss in losses) else ""
         t_detect = time.time()
         records = [self._describe(q, code=None, t_detect=t_detect) for k in nodes for q in self.role.ranks_of(k)]
-        self._stop(records, f"error: {who} went silent (its launcher was not heard for {silent:.1f}s: the host is lost "
-                            f"or cut off); the run is stopped; resilience.mode=inplace or checkpoint carries on with "
-                            f"its ranks on the other hosts.")
+        self._stop(records, f"error: {who} went silent (its launcher was not heard for {silent:.1f}s{broke}: the host "
+                            f"is lost or cut off); the run is stopped; resilience.mode=inplace or checkpoint carries on "
+                            f"with its ranks on the other hosts.")
         return 1
 
     def _follow_stop(self, stop: dict) -> int:

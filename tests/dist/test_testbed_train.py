@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from dtk.resilience import nodes
 from dtk.testbed.net import namespaces, unavailable_reason
 from tests.conftest import RECIPES, ROOT, TINY, dtk_env, losses, read_jsonl
 
@@ -161,7 +162,9 @@ def test_a_host_killed_with_its_launcher_and_shadows_is_rebuilt_on_the_other_hos
     by_rank = {f["rank"]: f for f in summary["failures"]}
     assert sorted(by_rank) == [2, 3] and (by_rank[2]["fault"], by_rank[3]["fault"]) == ("kill-host", "host lost")
     for f in by_rank.values():
-        assert f["node_lost"] == 1 and f["detected_by"] == "node heartbeat" and f["exit"] == "lost with node 1"
+        assert f["node_lost"] == 1 and f["exit"] == "lost with node 1"
+        # the survivors' connections to host 1 broke: node 0 did not wait for a second of its launcher's silence
+        assert f["detected_by"] == "connection error" and f["node_silent_s"] < nodes.NODE_SUSPECT_S
         assert f["rebuilt_from"] == "parity tier 2" and f["steps_lost"] <= 1 and f["survivors"] == [0, 1]
         assert {(r["rank"], r["node"], r["moved_from_node"], r["replacement"]) for r in f["replacements"]} == {
             (2, 0, 1, "shadow"), (3, 0, 1, "shadow")}
@@ -202,7 +205,7 @@ def test_a_host_lost_is_restarted_from_checkpoint_on_the_other_host_or_named_in_
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "failed"
     assert [(f["rank"], f["node_lost"], f["detected_by"]) for f in summary["failures"]] == [
-        (2, 1, "node heartbeat"), (3, 1, "node heartbeat")]
+        (2, 1, "connection error"), (3, 1, "connection error")]
 
 
 @pytest.mark.timeout(240)

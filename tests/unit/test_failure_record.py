@@ -25,7 +25,7 @@ IN_PLACE = ["resumed_at_step", "steps_lost", "rebuilt_from", "rebuild_s", "sourc
 def killed(rank: int = 1) -> FailureRecord:
     fired = {"kind": "kill", "at_step": 6, "time": 100.0, "id": "f0"}
     return describe_failure(rank=rank, code=-9, t_detect=100.1, attempt=0, generation=0, committed=6, fired=fired,
-                            lost_node=None, node_silent_s=None, hung_at=None)
+                            lost_node=None, node_loss=None, hung_at=None)
 
 
 def in_place_figures() -> InPlaceFigures:

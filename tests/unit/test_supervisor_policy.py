@@ -4,6 +4,7 @@ beats, started marks, reports) is written into the store by the test."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import pytest
@@ -171,13 +172,60 @@ def test_a_silent_node_is_lost_its_ranks_fenced_and_mode_none_stops(tmp_path, mo
     assert run_store.check([keys.node_lost(1)])  # node 1 reads it and stops its ranks, if it was only cut off
 
 
+def broke(sup, *, rank: int, peer: str) -> None:
+    """What a rank's control thread posts when gloo says its connection to `peer` broke."""
+    sup.control.append(keys.peer_errors(sup.state.generation), json.dumps({"rank": rank, "peer": peer}) + "\n")
+
+
+@pytest.mark.timeout(20)
+def test_a_node_named_by_a_broken_connection_is_lost_once_silent_and_a_live_one_is_kept(tmp_path, monkeypatch):
+    # silence alone would take 30 s here: the broken connection is what finds the host lost
+    monkeypatch.setattr(nodes, "NODE_SILENT_S", 30.0)
+    monkeypatch.setattr(nodes, "NODE_SUSPECT_S", 30.0)
+    sup, host, run_store = make(tmp_path, "resilience.mode=none", nnodes=3)
+    for k, address in ((1, "10.9.0.2"), (2, "10.9.0.3")):
+        run_store.set(keys.joined(k), json.dumps({"addresses": [address, "fe80::2"]}))  # fe80::2: on both, no one's
+    broke(sup, rank=0, peer="fe80::2")
+    broke(sup, rank=1, peer="10.9.0.2")
+    broke(sup, rank=1, peer="10.9.0.3")
+    beating = threading.Event()
+
+    def beat_node_2():  # node 2's launcher is alive (its rank died, say): it keeps beating
+        while not beating.wait(0.05):
+            run_store.add(keys.node_beat(2), 1)
+
+    beater = threading.Thread(target=beat_node_2, daemon=True)
+    beater.start()
+    run_store.add(keys.node_beat(1), 1)  # node 1 beat once, then its host went down
+    try:
+        assert sup.watch(Progress()) == 1
+    finally:
+        beating.set()
+        beater.join()
+    assert sup.messages[0].startswith("error: node 1 (ranks 2-3) went silent")
+    assert [(f["rank"], f["node_lost"], f["detected_by"], f["node_address"]) for f in sup.failures] == [
+        (2, 1, "connection error", "10.9.0.2"), (3, 1, "connection error", "10.9.0.2")]
+    assert nodes.NODE_BROKEN_S < sup.failures[0]["node_silent_s"] < 30.0
+    assert "connection to this node (10.9.0.2) broke" in run_store.get(keys.node_lost(1)).decode()
+    assert not run_store.check([keys.node_lost(2)])  # named too, but it beat: never fenced
+
+
+def test_a_node_that_beat_irregularly_is_given_a_longer_silence(tmp_path):
+    watch = nodes.NodeWatch(run_store=keys.run_store(dist.HashStore()), nnodes=2)
+    assert watch.broken_wait(1) == nodes.NODE_BROKEN_S
+    watch.longest_gap[1] = 0.5  # a loaded machine: its launcher was once silent for half a second
+    assert watch.broken_wait(1) == 0.5 * nodes.BROKEN_GAPS
+    watch.longest_gap[1] = 5.0
+    assert watch.broken_wait(1) == nodes.NODE_SUSPECT_S
+
+
 def test_the_lead_fences_a_lost_nodes_processes_by_their_token(tmp_path, monkeypatch):
     monkeypatch.setattr(nodes, "NODE_SILENT_S", 0.3)
     sup, host, run_store = make(tmp_path, "resilience.mode=inplace", nnodes=2)
     run_store.set(keys.joined(1), "{}")
     sup.control.set(keys.beat(3), json.dumps({"step": 4, "token": "hostB:123", "outstanding": 0}))
     deadline = time.monotonic() + 5
-    while not (lost := sup.role.lost_nodes(suspect=lambda: False, active=lambda n: True)):
+    while not (lost := sup.role.lost_nodes(suspect=lambda: False, active=lambda n: True, named=list)):
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert lost == [1] and sup.role.remote_failed() == [2, 3]
