@@ -87,7 +87,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=2)
     p.add_argument("--models", default="small,big")
-    p.add_argument("--faults", default="kill,hang")
+    p.add_argument("--faults", default="kill,hang", help='"" leaves the failure runs out')
     p.add_argument("--steady-steps", type=int, default=60, help="0: leave out the steady-state cost")
     p.add_argument("--strategies", default="ddp")
     p.add_argument("--parity-steps", type=int, default=0, help="steps of the parity cost runs (0: leave them out)")
@@ -101,7 +101,7 @@ def main() -> None:
         workdir = Path(tmp)
         for strategy in args.strategies.split(","):
             for model in args.models.split(","):
-                for fault in args.faults.split(","):
+                for fault in filter(None, args.faults.split(",")):  # --faults "": the parity cost runs alone
                     runs: dict[str, list] = {"checkpoint": [], "inplace": []}
                     for rep in range(args.reps):
                         for mode in (("checkpoint", "inplace") if rep % 2 == 0 else ("inplace", "checkpoint")):
