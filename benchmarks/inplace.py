@@ -63,12 +63,13 @@ def run_steady(shadows: int, steps: int, workdir: Path) -> float:
     return json.loads((run_dir / "summary.json").read_text())["throughput"]
 
 
-def run_parity(strategy: str, mode: str, steps: int, workdir: Path, every: str = "1") -> dict:
+def run_parity(strategy: str, mode: str, steps: int, workdir: Path, every: str = "1",
+               extra: list[str] | None = None) -> dict:
     run_dir = workdir / f"parity-{strategy}-{mode}-{every}-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "dtk.cli", "train", str(ROOT / "recipes" / "quickstart.yaml"), *dtk_overrides(),
            f"strategy.name={strategy}", f"training.steps={steps}", "training.untimed_steps=5",
            f"resilience.mode={mode}", f"resilience.protect_every={every}", "resilience.shadows=0",
-           f"output.dir={run_dir}", "--no-progress"]
+           *(extra or []), f"output.dir={run_dir}", "--no-progress"]
     _run(cmd, what=f"dtk parity {strategy} {mode} every {every}")
     summary = json.loads((run_dir / "summary.json").read_text())
     return {"tokens_per_s": summary["throughput"], "parity": summary.get("parity")}
@@ -92,6 +93,8 @@ def main() -> None:
     p.add_argument("--strategies", default="ddp")
     p.add_argument("--parity-steps", type=int, default=0, help="steps of the parity cost runs (0: leave them out)")
     p.add_argument("--protect-every", default="1", help="resilience.protect_every values for the parity cost runs")
+    p.add_argument("--parity-override", action="append", default=[],
+                   help="a recipe override for the parity cost runs, e.g. resilience.mtbf_s=600 (repeatable)")
     p.add_argument("--out", default=str(RESULTS / "inplace.json"))
     args = p.parse_args()
     t0 = time.time()
@@ -121,7 +124,8 @@ def main() -> None:
             for rep in range(args.reps):
                 for mode in (modes if rep % 2 == 0 else modes[::-1]):
                     name, _, every = mode.partition(":")
-                    runs[mode].append(run_parity(strategy, name, args.parity_steps, workdir, every or "1"))
+                    runs[mode].append(run_parity(strategy, name, args.parity_steps, workdir, every or "1",
+                                                 args.parity_override))
             tps = {k: statistics.median(r["tokens_per_s"] for r in v) for k, v in runs.items()}
             parity_cost[strategy] = {"runs": runs, "ratio": {e: tps[f"inplace:{e}"] / tps["none"] for e in everies},
                                      "parity": {e: runs[f"inplace:{e}"][-1]["parity"] for e in everies}}
