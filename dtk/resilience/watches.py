@@ -43,7 +43,12 @@ class HangWatch:
     its rank has been still by the rank's own clock (`still_s`, no clock shared between hosts is needed), this
     watch adds how long ago it first read that beat, and it declares the hang early by what it may not have seen: one
     beat period (the beat it read may have been written that long ago) and one poll of its own (the next poll may
-    come that much after the timeout)."""
+    come that much after the timeout).
+
+    The first beat read of a rank (at the start, or after `reset` when a rank was replaced) is taken at its word only
+    once a newer one shows its writer alive: until then it may be the last beat of the process that was replaced (a
+    hung rank killed a moment ago says it has been still for seconds), and it counts only the time since it was read.
+    Otherwise a replacement is blamed for its predecessor's hang and killed as it joins."""
 
     POLL_S = 0.25
 
@@ -55,8 +60,9 @@ class HangWatch:
     def reset(self) -> None:
         self.seen: dict[int, tuple[int, float]] = {}
         """Each rank's last step read, and when this watch first read it (for beats without `still_s`)."""
-        self.read: dict[int, tuple[float, float]] = {}
-        """Each rank's last beat (its time stamp), and when this watch first read it."""
+        self.read: dict[int, tuple[float, float, bool]] = {}
+        """Each rank's last beat (its time stamp), when this watch first read it, and whether a beat was written
+        since this watch first read one of that rank (its writer is alive: its `still_s` holds)."""
         self.phases: dict[int, str] = {}
         """Each rank's phase in its last beat read (train, eval, checkpoint, recovery)."""
         self.hung: dict[int, float] = {}
@@ -87,10 +93,13 @@ class HangWatch:
                 self.step_times.append(beat["step_s"])
         if "still_s" not in beat:
             return now - self.seen[rank][1]
-        stamp, first_read = self.read.get(rank, (None, now))
+        stamp, first_read, alive = self.read.get(rank, (None, now, False))
         if beat["t"] != stamp:
-            self.read[rank] = (beat["t"], now)
+            alive = alive or stamp is not None
+            self.read[rank] = (beat["t"], now, alive)
             first_read = now
+        if not alive:  # maybe a replaced process's last beat: only the time this watch has seen it unchanged
+            return now - first_read
         return beat["still_s"] + (now - first_read)
 
     def check(self, control, ranks: list[int]) -> list[int]:
