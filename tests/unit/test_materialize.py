@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dtk.recipe import OptimizerConfig
-from dtk.strategies.base import build_torch_optimizer, materialize_optimizer_state
+from dtk.strategies.base import build_torch_optimizer, materialize_optimizer_state, square_sum
 
 
 def _train(*, materialize_first: bool, cfg: OptimizerConfig) -> list[torch.Tensor]:
@@ -28,3 +28,11 @@ def _train(*, materialize_first: bool, cfg: OptimizerConfig) -> list[torch.Tenso
 def test_materialized_state_trains_like_lazy_state(cfg):
     lazy, early = _train(materialize_first=False, cfg=cfg), _train(materialize_first=True, cfg=cfg)
     assert all(torch.equal(a, b) for a, b in zip(lazy, early))
+
+
+def test_the_reported_square_sum_is_the_float64_sum_of_squares_with_missing_grads_skipped():
+    torch.manual_seed(0)
+    tensors = [torch.randn(3), None, torch.randn(40, 50), torch.randn(7).to(torch.bfloat16)]
+    want = sum(float(t.double().pow(2).sum()) for t in tensors if t is not None)
+    assert square_sum(tensors) == pytest.approx(want, rel=1e-12)
+    assert square_sum([]) == square_sum([None]) == 0.0
