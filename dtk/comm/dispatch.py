@@ -99,7 +99,7 @@ class Router:
             try:
                 work.get_future().add_done_callback(lambda f: self._observed(kind, nbytes, time.perf_counter() - t0))
             except RuntimeError:
-                pass  # a work without a future (gloo's _reduce_scatter_base): not timed
+                pass  # a work without a future (gloo's list reduce_scatter): not timed
             return work
         return run
 

@@ -22,7 +22,7 @@ class InnerWork:
         return self.completed
 
     def get_future(self):
-        return None  # gloo's works have one (all but _reduce_scatter_base): the seam waits on them directly
+        return None  # gloo's works have one (all but its reduce_scatter): the seam waits on them directly
 
     def wait(self, timeout=None) -> bool:
         self.waits += 1
@@ -71,7 +71,7 @@ def test_a_release_frees_a_wait_that_would_block(group):
 
 
 class FuturelessWork:
-    """gloo's _reduce_scatter_base work: no future, and a wait() that blocks whatever its timeout."""
+    """gloo's reduce_scatter work: no future, and a wait() that blocks whatever its timeout."""
 
     def get_future(self):
         raise RuntimeError("this work has no future")
