@@ -14,9 +14,9 @@ GPT2 = {"n_layer": 4, "n_embd": 256, "n_head": 4}
 args = w.parse_args()
 w.init(args.backend)
 mesh = init_device_mesh("cpu", (w.dist.get_world_size(),))
-torch.manual_seed(w.SEED)  # the same weights on every rank, and the same as dtk's
-model = GPT2LMHeadModel(GPT2Config(**GPT2, vocab_size=w.VOCAB, n_positions=w.SEQ_LEN, use_cache=False,
-                                   bos_token_id=None, eos_token_id=None))
+config = GPT2Config(**GPT2, vocab_size=w.VOCAB, n_positions=w.SEQ_LEN, use_cache=False, bos_token_id=None,
+                    eos_token_id=None)
+model = w.seeded(lambda: GPT2LMHeadModel(config))  # the same weights on every rank, and the same as dtk's
 for block in model.transformer.h:
     fully_shard(block, mesh=mesh, reshard_after_forward=True)
 fully_shard(model, mesh=mesh, reshard_after_forward=True)  # as dtk does: the root reshards too

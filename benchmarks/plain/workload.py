@@ -6,12 +6,15 @@ import argparse
 import json
 import os
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from dtk.data.synthetic import SyntheticTokens
 from dtk.models.gpt import GPT
+from dtk.models.init import Blueprint
+from dtk.trainer import step_seed
 
 # Keep in step with benchmarks/overhead.py's dtk overrides.
 MODEL = {"layers": 4, "width": 256, "heads": 4}
@@ -41,8 +44,14 @@ def init(backend: str) -> None:
 
 
 def build_model() -> GPT:
-    torch.manual_seed(SEED)  # the same weights on every rank, and the same as dtk's
-    return GPT(vocab_size=VOCAB, context=SEQ_LEN, **MODEL)
+    return seeded(lambda: GPT(vocab_size=VOCAB, context=SEQ_LEN, **MODEL))
+
+
+def seeded(construct: Callable[[], torch.nn.Module]) -> torch.nn.Module:
+    """The model `construct` builds, with the values dtk gives it for SEED: the same weights on every rank, and the
+    same as dtk's (dtk seeds each module from its name, dtk.models.init; a plain `torch.manual_seed` + build would
+    draw other numbers). The values do not depend on the groups it is filled by, so one group will do."""
+    return Blueprint(construct=construct, seed=SEED, units=lambda model: []).full()
 
 
 def build_optimizer(params) -> torch.optim.Optimizer:
@@ -61,6 +70,7 @@ def train(step_fn, args: argparse.Namespace) -> None:
     times, loss = [], torch.zeros(())
     for step in range(args.steps):
         t0 = time.perf_counter()
+        torch.manual_seed(step_seed(SEED, step, rank))  # dropout draws what dtk's step draws
         x, y = data.batch(step=step, rank=rank, micro=0, size=MICRO_BATCH)
         loss = step_fn(x, y).detach()
         loss.item()
