@@ -1,6 +1,5 @@
 """Plain torch FSDP2 on a transformers GPT-2 built from its config: `fully_shard` per GPT2Block, then the root, on the
 shared workload's data and optimizer. `torchrun --nproc-per-node 2 benchmarks/plain/hf_fsdp2.py --out r.json`."""
-import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from transformers import GPT2Config, GPT2LMHeadModel

@@ -43,7 +43,7 @@ def init(backend: str) -> None:
     dist.init_process_group(backend)
 
 
-def build_model() -> GPT:
+def build_model() -> torch.nn.Module:
     return seeded(lambda: GPT(vocab_size=VOCAB, context=SEQ_LEN, **MODEL))
 
 
