@@ -76,6 +76,14 @@ class HangWatch:
         p95 = statistics.quantiles(self.step_times, n=20)[-1] if len(self.step_times) > 1 else self.step_times[0]
         return max(HANG_FLOOR_S, HANG_STEP_MULTIPLE * p95)
 
+    def furthest_step(self) -> int:
+        """The newest step a rank's beat has shown since the last reset (-1: none)."""
+        return max((step for step, _ in self.seen.values()), default=-1)
+
+    def all_past(self, step: int, ranks: list[int]) -> bool:
+        """Every rank's last beat read is of a later step than `step`: they have all finished it."""
+        return all(self.seen.get(r, (-1, 0.0))[0] > step for r in ranks)
+
     def recovering(self) -> bool:
         """A rank's last beat said it is recovering: its collectives broke, so a peer is gone."""
         return "recovery" in self.phases.values()

@@ -47,9 +47,10 @@ def test_every_failure_kind_recovers_in_place_from_shadows(tmp_path, reference):
     for f in failures:
         assert f["steps_lost"] == 0 and f["downtime_s"] > 0
         [by] = f["replacements"]
-        # the promoted process is a shadow, started before the failure happened
+        # the promoted process is a shadow, started before the failure was seen (a promoted shadow's successor starts
+        # once the redo is done: here after the hang at 12 began, seconds before the hang was seen)
         assert by["replacement"] == "shadow", by
-        assert shadows[by["shadow"]][0] == by["pid"] and by["shadow_started_at"] < (f["fault_time"] or f["detected_at"])
+        assert shadows[by["shadow"]][0] == by["pid"] and by["shadow_started_at"] < f["detected_at"]
         assert f["survivor_engines_kept"] is True
         assert set(f["breakdown_s"]) == {"detect", "release", "plan", "regroup", "state_transfer", "redo"}
     hang = failures[2]

@@ -30,6 +30,7 @@ class FakeHost:
         self.replaced: list[tuple[int, int]] = []
         self.killed: list[int] = []
         self.stops: list[float] = []
+        self.replenished = 0
 
     def ranks(self) -> list[int]:
         return sorted(self.codes)
@@ -57,6 +58,7 @@ class FakeHost:
         self.stops.append(grace_s)
 
     def replenish_shadows(self) -> list[int]:
+        self.replenished += 1
         return []
 
 
@@ -158,6 +160,15 @@ def test_in_place_recovery_moves_the_run_to_the_next_generation(tmp_path):
     assert (plan["source"], plan["step"], plan["replaced"]) == (0, 4, [1])
     [f] = sup.failures
     assert (f["generation"], f["source_rank"], f["steps_lost"]) == (0, 0, 0)
+    # the promoted shadow is replaced only once every rank's beat is past the interrupted step (step 4)
+    for step, replenished in ((4, 0), (5, 1)):
+        for r in range(2):
+            sup.control.set(keys.beat(r), json.dumps({"step": step, "t": time.time(), "outstanding": 0,
+                                                      "phase": "train"}))
+        sup.hangs._next_poll = 0.0
+        sup.hangs.check(sup.control, [0, 1])
+        sup._replenish_when_redone()
+        assert host.replenished == replenished
 
 
 def test_a_silent_node_is_lost_its_ranks_fenced_and_mode_none_stops(tmp_path, monkeypatch):
