@@ -210,6 +210,19 @@ class Trainer:
         self.evaluator.forget()  # a replacement evaluates the boundary it joins at: so does every survivor
         return step
 
+    def _all_committed(self, step: int) -> bool:
+        """Before the boundary work that runs collectives of its own (a checkpoint's save, the end of the run's
+        final save), in place: did every peer commit the step? A peer lost in its optimizer step, after the step's
+        last collective, is otherwise first seen inside torch.distributed.checkpoint, whose released gather hands it
+        garbage. One released all-reduce of one number says it here, and the run recovers instead."""
+        r = self.recipe
+        due = step >= r.training.steps or bool(r.checkpoint.every and step % r.checkpoint.every == 0)
+        if not due or r.resilience.mode != "inplace":
+            return True
+        with Seam.uncounted():
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
+        return Seam.failure is None
+
     def _save_and_stop(self, step: int) -> None:
         """Preempted (SIGTERM to the launcher): every rank is at the same step boundary; save it, so that nothing
         is lost, and leave without finishing (the launcher says where the run stands)."""
@@ -251,8 +264,8 @@ class Trainer:
                 self.control.step_seconds = record["step_seconds"]
                 if self.writer:
                     self.writer.write(record)
-            if record is None or Seam.failure is not None:  # a failure seen after a whole update: no more collectives
-                step = self._recover(step)
+            if record is None or Seam.failure is not None or not self._all_committed(step):
+                step = self._recover(step)  # a failure seen after a whole update: no more collectives
                 continue
             if self.parity is not None and self.parity.due(step):  # resilience.protect_every
                 self.parity.protect(step, step_seconds=record["step_seconds"])  # overlaps the next forward/backward

@@ -200,7 +200,12 @@ def finalize_failures(failures: list[FailureRecord], *, run_dir: Path, store: di
     for f in failures:
         t_fault = f.fault_time or f.detected_at
         detect_s = f.detected_at - t_fault if f.fault_time else None
-        back = [r for r in records if r["step"] == f.step and r.get("time", 0) > f.detected_at]
+        after = [r for r in records if r.get("time", 0) > f.detected_at]
+        back = [r for r in after if r["step"] == f.step]
+        if not back and f.in_place is not None and not any(r["step"] > f.step for r in after):
+            # the run ended at the step it recovered at (a peer lost in the last step's update): it was back once
+            # the steps rolled back were redone, or, with none to redo, once the state was repaired
+            back = after[-1:] or [{"time": f.in_place.repaired_at}]
         f.figures = Figures(detect_s=detect_s, downtime_s=back[0]["time"] - t_fault if back else None)
         if f.restart is not None:
             f.figures.steps_lost, f.figures.breakdown_s = _restart_cost(f, f.restart, detect_s=detect_s,

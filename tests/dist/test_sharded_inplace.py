@@ -58,13 +58,18 @@ def test_the_chaos_matrix_recovers_in_place_with_the_same_losses(tmp_path, strat
     three.append(f"resilience.protect_every={every}")
     specs = [f"{k}:rank={r},step={gap * (i + 1)},phase={p}" for i, (k, r, p) in enumerate(cells)]
     corrupt_step = gap * (len(cells) + 1)
-    args = [a for spec in specs + [f"corrupt:rank=1,step={corrupt_step}"] for a in ("--fault", spec)]
+    # and a rank lost in the last step's update, after its last collective: the survivors commit that step and
+    # learn of the loss only at the boundary's checkpoint and final save (checkpoint.every = the run's steps)
+    last = f"kill:rank=2,step={steps - 1},phase=optimizer"
+    args = [a for spec in specs + [f"corrupt:rank=1,step={corrupt_step}", last] for a in ("--fault", spec)]
     # a fixed hang timeout: this test is about what recovery keeps; the automatic one is tested with DDP
     summary = _inject(tmp_path / "chaos", *three, "resilience.shadows=2", "resilience.max_failures=20",
-                      "resilience.heartbeat_timeout_s=4", *args, timeout=1700 if FULL else 400)
+                      "resilience.heartbeat_timeout_s=4", f"checkpoint.every={steps}", *args,
+                      timeout=1700 if FULL else 400)
     assert losses(tmp_path / "chaos") == ref
     failures = summary["failures"]
-    assert [(f["fault"], f["rank"]) for f in failures] == [(k, r) for k, r, _ in cells] + [("corrupt", 1)]
+    assert [(f["fault"], f["rank"]) for f in failures] == [(k, r) for k, r, _ in cells] + [("corrupt", 1), ("kill", 2)]
+    assert (tmp_path / "chaos" / "final" / "model.safetensors").is_file()
     for f in failures:
         assert f["rebuilt_from"].startswith("peer") if strategy == "ddp" else f["rebuilt_from"] == "parity tier 1", f
         assert f["repair_bytes"] > 0 and 0 <= f["steps_lost"] <= every, f
