@@ -3,7 +3,7 @@ downtime (fault to the completion, after recovery, of the step it interrupted) a
 fault kind; and what keeping a shadow costs a run without failures (steps/s with resilience.shadows=1 / 0).
 
     python benchmarks/inplace.py [--reps 2] [--models small,big] [--faults kill,hang] [--steady-steps 60]
-        [--strategies ddp,fsdp,zero1,zero2,zero3] [--parity-steps 40] [--protect-every 1,auto]
+        [--strategies ddp,fsdp,zero1,zero2,zero3] [--parity-steps 40] [--protect-every 1,auto] [--phase forward]
 
 small = the recovery benchmark's 3.2M-parameter GPT (checkpoint every 10, fault at step 25); big = a ~50M-parameter
 GPT (8 layers x 704; checkpoint every 5, fault at step 12). 2 ranks, gloo, each strategy given (sharded ones rebuild
@@ -33,13 +33,14 @@ MODELS = {
 }
 
 
-def run_failure(model: str, fault: str, mode: str, workdir: Path, strategy: str = "ddp", every: str = "1") -> dict:
+def run_failure(model: str, fault: str, mode: str, workdir: Path, strategy: str = "ddp", every: str = "1",
+                phase: str = "forward") -> dict:
     m = MODELS[model]
     run_dir = workdir / f"{model}-{fault}-{mode}-{strategy}-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "dtk.cli", "inject-failure", str(ROOT / "recipes" / "quickstart.yaml"),
            *dtk_overrides(), *m["overrides"], f"strategy.name={strategy}", f"training.steps={m['at'] + 1}", f"resilience.mode={mode}",
            f"checkpoint.every={m['every']}", f"resilience.protect_every={every}", f"output.dir={run_dir}",
-           "--fault", f"{fault}:rank=1,step={m['at']}",
+           "--fault", f"{fault}:rank=1,step={m['at']}" + (f",phase={phase}" if phase != "forward" else ""),
            "--no-progress"]
     _run(cmd, what=f"dtk {model} {fault} {mode}")
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -95,6 +96,9 @@ def main() -> None:
     p.add_argument("--protect-every", default="1", help="resilience.protect_every values for the parity cost runs")
     p.add_argument("--parity-override", action="append", default=[],
                    help="a recipe override for the parity cost runs, e.g. resilience.mtbf_s=600 (repeatable)")
+    p.add_argument("--phase", default="forward",
+                   help="where in the step the fault fires: forward (the step's start, while the last boundary's "
+                        "background protection may be in flight: the worst case), backward, optimizer or commit")
     p.add_argument("--out", default=str(RESULTS / "inplace.json"))
     args = p.parse_args()
     t0 = time.time()
@@ -109,7 +113,7 @@ def main() -> None:
                     for rep in range(args.reps):
                         for mode in (("checkpoint", "inplace") if rep % 2 == 0 else ("inplace", "checkpoint")):
                             runs[mode].append(run_failure(model, fault, mode, workdir, strategy,
-                                                          args.protect_every.split(",")[0]))
+                                                          args.protect_every.split(",")[0], args.phase))
                             print(f"  {strategy} {model} {fault} {mode} rep {rep + 1}: downtime "
                                   f"{runs[mode][-1]['downtime_s']:.2f}s ({time.time() - t0:.0f}s in)", flush=True)
                     med = {k: statistics.median(r["downtime_s"] for r in v) for k, v in runs.items()}
