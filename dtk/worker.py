@@ -103,6 +103,10 @@ def _rehearse(recipe, ctx, group, *, model, rank: int, warm) -> None:
         engine.local_state()  # and the optimizer's state, made by a dry step: its first step's lazy set-up
     del engine, model
     gc.collect()
+    # and moves everything alive now (torch's, DeepSpeed's, the rehearsal's caches) out of the collector's sight:
+    # the real build at promotion runs full collections (ZeRO-3's parameter defragmentation calls gc.collect), and
+    # a full collection over every object imports made cost 0.18 s on the recovery's critical path
+    gc.freeze()
     # DTensor caches sharding propagation keyed by the mesh, and a mesh compares equal to the rehearsal's whatever
     # this process's coordinate in it: without this, the real engine's optimizer states (made by DTensor ops) kept
     # the rehearsal rank's offsets, and the first checkpoint after the promotion failed DCP's global plan check
@@ -233,10 +237,6 @@ def run_rank() -> None:
         # A fresh engine makes its optimizer state on first use (FSDP2's by DTensor ops, whose caches the rehearsal
         # cleared: 0.1 s for the 3.2M GPT on 2 cores). Made here, it overlaps the survivors' finishing their
         # interrupted step; made by the rebuild's first call, every rank waited for it.
-        engine.local_state()
-    if join is not None:
-        # a fresh engine makes its optimizer state on first use: made here, it overlaps the survivors' finishing
-        # their interrupted step instead of holding every rank in the rebuild's first collective
         engine.local_state()
     timeline["engine_at"] = time.time()
     if rank == 0:  # summary.json -> parameters
