@@ -92,7 +92,9 @@ def fill(target: nn.Module, twin: nn.Module, *, seed: int, units: list[str], ini
             m.to_empty(device="cpu", recurse=False)
         with torch.no_grad():
             for name, m in group:
-                torch.manual_seed(module_seed(seed, name))
+                # the twin is on CPU: its generator alone. torch.manual_seed would also queue a lazy seeding of
+                # every accelerator, each recording the caller's stack (0.2-1 ms a module, on a recovery's path)
+                torch.default_generator.manual_seed(module_seed(seed, name))
                 init(m)
         for name, m in group[::-1]:  # parents first: a tie ends with the value of its last name, as in a full build
             prefix = f"{name}." if name else ""
