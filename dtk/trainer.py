@@ -284,7 +284,7 @@ class Trainer:
                 if self.writer:
                     self.writer.event({"event": "regroup", "step": step, "generation": Seam.generation,
                                        "seconds": seconds})
-            if self.control.stop_at(step) == step and step < r.training.steps:
+            if r.checkpoint.every and self.control.stop_at(step) == step and step < r.training.steps:
                 self._save_and_stop(step)
                 return
         if self.parity is not None:

@@ -148,15 +148,19 @@ class Control:
         return self.store.check([keys.failure(generation)])
 
     def stop_at(self, step: int) -> int | None:
-        """Once preempted: the number of committed steps at which every rank stops, agreed through the store. The
-        first rank to ask proposes its own count + 2. Ranks run in lockstep (every step has collectives), so another
-        rank is at most one step ahead, and it may have passed that boundary before its own watcher saw the preempt
-        flag: it next asks at count + 2, which it has not passed (with + 1 it ran on alone while this rank saved, and
-        both waited for ever)."""
-        if not self.preempted:
-            return None
+        """Once preempted: the number of committed steps at which every rank stops, agreed through the store. Asked
+        at every step boundary (checkpoints on). The first rank whose watcher saw the preempt flag proposes its own
+        count + 2; every other rank reads the proposal from the store at its next boundary, not from its own watcher,
+        which may be several steps late under load (it polls every BEAT_SECONDS: with a late watcher, a rank ran on
+        past the agreed step while its peer saved, and both waited for ever). Why + 2 is exact: ranks run in lockstep
+        (every step has a collective that needs every rank), so when the proposer writes at boundary s, a peer may
+        have passed boundary s + 1 already (not s + 2, whose step needs the proposer's contribution): it reads the
+        proposal at boundary s + 2 at the latest. One store round trip per step (~25 us on one host)."""
         if self._stop_at is None:
-            self._stop_at = int(self.store.compare_set(keys.PREEMPT_STOP_AT, "", str(step + 2)).decode())
+            if self.preempted:
+                self._stop_at = int(self.store.compare_set(keys.PREEMPT_STOP_AT, "", str(step + 2)).decode())
+            elif self.store.check([keys.PREEMPT_STOP_AT]):
+                self._stop_at = int(self.store.get(keys.PREEMPT_STOP_AT).decode())
         return self._stop_at
 
     def finish(self, step: int) -> None:

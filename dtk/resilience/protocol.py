@@ -140,7 +140,7 @@ PREEMPT = "preempt"
 supervisor; read by every rank's Control thread."""
 PREEMPT_STOP_AT = "preempt/stop_at"
 """The number of committed steps at which every rank stops once preempted: the first rank to ask proposes its own
-count + 2 (compare-and-set; why + 2: Control.stop_at); read by the others."""
+count + 2 (compare-and-set; why + 2: Control.stop_at); read by the others at every step boundary."""
 
 
 def preempted(rank: int) -> str:
