@@ -8,6 +8,7 @@ import time
 
 STARTED_AT = time.time()  # before the heavy imports: the launcher's "process start" vs "import" split
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -196,9 +197,15 @@ def run_rank() -> None:
     dataset = build_dataset(recipe.data, seed=recipe.training.seed, world=world,
                             grad_accum=recipe.training.grad_accum)
     ctx, prebuilt = _build_context(recipe, dataset.spec, group=group, device=device)
+    replacement = join is not None or shadow_id is not None
+    if replacement and ctx.blueprint is not None and recipe.resilience.mode == "inplace":
+        # a replacement in place: its state is rebuilt from parity before its first step, so its build draws no
+        # values (Blueprint.blank; 0.1 s of a promoted ZeRO-3 shadow's build, which the survivors wait for), and a
+        # shadow's rehearsal builds the same way, so that it warms the same code
+        ctx = dataclasses.replace(ctx, blueprint=dataclasses.replace(ctx.blueprint, blank=True))
     engine = None
     warm = None
-    if join is not None or shadow_id is not None:
+    if replacement:
         x, y = dataset.batch(step=0, rank=rank, micro=0, size=recipe.training.micro_batch)
         warm = (x.to(device), y.to(device))
     if shadow_id is not None:

@@ -10,6 +10,7 @@ or on the device, so DDP's full model and FSDP's or ZeRO-3's shards hold the sam
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 from dataclasses import dataclass
@@ -104,6 +105,42 @@ def fill(target: nn.Module, twin: nn.Module, *, seed: int, units: list[str], ini
             m.to_empty(device="meta", recurse=False)
 
 
+_DRAWS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_", "xavier_uniform_",
+          "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")
+"""torch.nn.init's functions that give a parameter its values: modules' reset_parameters and models' own inits call
+them through the module attribute, so replacing the attribute reaches every caller."""
+
+
+@contextlib.contextmanager
+def undrawn() -> Iterator[None]:
+    """Modules built inside get their tensors allocated, not drawn (torch.nn.init does nothing). For a build whose
+    values are overwritten before first use; not thread-safe against another thread initialising a model."""
+    saved = {name: getattr(nn.init, name) for name in _DRAWS}
+    try:
+        for name in saved:
+            setattr(nn.init, name, _left_as_allocated)
+        yield
+    finally:
+        for name, function in saved.items():
+            setattr(nn.init, name, function)
+
+
+def _left_as_allocated(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return tensor
+
+
+def zero_local(target: nn.Module) -> None:
+    """Zeros in every tensor `target` holds: a DTensor's local shard, a ZeRO-3 partition (its padding included)."""
+    with torch.no_grad():
+        for t in [*target.parameters(), *target.buffers()]:
+            if isinstance(t, DTensor):
+                t.to_local().zero_()
+            elif hasattr(t, "ds_tensor"):
+                t.ds_tensor.zero_()
+            elif t.device.type != "meta":
+                t.zero_()
+
+
 def _get(model: nn.Module, name: str) -> torch.Tensor:
     owner, _, leaf = name.rpartition(".")
     module = model.get_submodule(owner)
@@ -145,12 +182,25 @@ class Blueprint:
     dtype: torch.dtype = torch.float32
     weights: WeightSource | None = None
     """Pretrained weights read into the filled model, each rank only its part (dtk.models.pretrained)."""
+    blank: bool = False
+    """The values are overwritten before first use (an in-place replacement, whose state is rebuilt from parity):
+    build() draws nothing and fill() writes zeros, unless the model has buffers, which no rebuild restores. The
+    seeded init was most of a promoted ZeRO-3 shadow's build, on the survivors' critical path."""
 
     def meta(self) -> nn.Module:
         with torch.device("meta"):
-            return self.construct().to(self.dtype)
+            return self.build().to(self.dtype)
+
+    def build(self) -> nn.Module:
+        """The modules on the current default device (meta, or inside deepspeed.zero.Init); their values are
+        fill()'s to give."""
+        with undrawn() if self.blank else contextlib.nullcontext():
+            return self.construct()
 
     def fill(self, target: nn.Module, *, twin: nn.Module) -> None:
+        if self.blank and next(twin.buffers(), None) is None:
+            zero_local(target)
+            return
         # the seeded init first: it gives what the files do not hold (non-persistent buffers such as rotary
         # frequencies, a head the file leaves to its tie)
         fill(target, twin, seed=self.seed, units=self.units(twin), init=default_init(twin))

@@ -219,7 +219,7 @@ def _model(ctx: BuildContext, *, stage: int, config: dict):
     # The dtype comes from the config (bf16 or fp32). An explicit dtype= is not what it says: DeepSpeed 0.19 reads
     # it as `dtype or fp16 if the device supports fp16 else bf16`, so on CPU dtype=torch.float32 gave bf16 weights
     with deepspeed.zero.Init(data_parallel_group=ctx.group, config_dict_or_path=config):
-        model = ctx.blueprint.construct()
+        model = ctx.blueprint.build()  # (drawing nothing for a replacement: Blueprint.blank)
     ctx.blueprint.fill(model, twin=twin)
     return model
 

@@ -39,6 +39,23 @@ def test_the_blueprint_builds_on_meta_and_a_user_target_has_none():
     assert model_blueprint(target, data.spec, seed=0) is None  # its constructor's init is kept: a full build
 
 
+def test_a_blank_blueprint_draws_nothing_and_fills_zeros_unless_the_model_has_buffers():
+    """A replacement in place builds blank (its state comes from parity); a model's buffers, which no rebuild
+    restores, keep the seeded fill."""
+    import dataclasses
+
+    from torch import nn
+
+    r, data = _gpt()
+    blueprint = dataclasses.replace(model_blueprint(r.model, data.spec, seed=0), blank=True)
+    seen = nn.init.normal_
+    model = blueprint.full()
+    assert all(torch.count_nonzero(p) == 0 for p in model.parameters())
+    assert nn.init.normal_ is seen  # torch's init functions are back
+    with_buffer = dataclasses.replace(blueprint, construct=lambda: nn.BatchNorm1d(4))
+    assert torch.equal(with_buffer.full().weight, torch.ones(4))  # the seeded fill ran: BatchNorm's init
+
+
 def _peak_bytes_and_grads(model, x, y):
     """The peak of the tensors alive in one forward and backward (activations are what checkpointing saves; torch's
     MemTracker counts them), the loss and the gradients."""
