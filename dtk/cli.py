@@ -121,7 +121,7 @@ def train(
     world = r.world.nproc * (testbed or nnodes)
     parsed = [fl.parse(spec, world=world, fault_id=f"f{i}", hosts=testbed or None, nodes=testbed or nnodes)
               for i, spec in enumerate(fault or [])]
-    fl.check_reachable(parsed, steps=r.training.steps, mode=r.resilience.mode)
+    fl.check_reachable(parsed, steps=r.training.steps, mode=r.resilience.mode, every=r.checkpoint.every)
     fl.arm_checksums(r.resilience, faults=parsed)
     from dtk.launch import run_here  # imports torch: only once the input is known to be good
     from dtk.rendezvous import Topology
@@ -314,7 +314,7 @@ def compare(
     injected = [fl.parse(spec, world=min(r.world.nproc for r in built) * max(testbed, 1), fault_id=f"f{i}",
                          hosts=testbed or None) for i, spec in enumerate(fault or [])]
     for r in built:  # steps are shared by every variant, resilience.mode need not be
-        fl.check_reachable(injected, steps=r.training.steps, mode=r.resilience.mode)
+        fl.check_reachable(injected, steps=r.training.steps, mode=r.resilience.mode, every=r.checkpoint.every)
     one_rank = [k for k in fl.FAULTS if k not in ("congest", "kill-host")]
     if mtbf and testbed:
         raise DtkError(f"--mtbf: got {mtbf!r} with --testbed {testbed}; accepted: --mtbf on local ranks only")
@@ -345,8 +345,8 @@ def inject_failure(
     args: Annotated[Optional[list[str]], typer.Argument(
         help="RECIPE [key=value ...] to start a run with faults; with --run: the fault specs.")] = None,
     fault: Annotated[Optional[list[str]], typer.Option(
-        help="KIND:rank=R,step=S[,phase=forward|backward|optimizer|commit|recovery][,factor=F][,seconds=T]; "
-             "repeatable. `dtk faults` lists kinds.")] = None,
+        help="KIND:rank=R,step=S[,phase=forward|backward|optimizer|commit|recovery|eval|checkpoint][,factor=F]"
+             "[,seconds=T]; repeatable. `dtk faults` lists kinds.")] = None,
     run: Annotated[Optional[str], typer.Option(help="Aim the faults at this run folder's live run instead.")] = None,
     mtbf: Annotated[Optional[str], typer.Option(help="Also inject faults at random, this mean time apart (e.g. 30s).")] = None,
     mtbf_fault: Annotated[str, typer.Option(help="The kind of the random faults.")] = "kill",
@@ -375,7 +375,7 @@ def inject_failure(
     r = recipes.load(recipe_path, overrides)
     world = r.world.nproc
     parsed = [fl.parse(spec, world=world, fault_id=f"f{i}") for i, spec in enumerate(specs)]
-    fl.check_reachable(parsed, steps=r.training.steps, mode=r.resilience.mode)
+    fl.check_reachable(parsed, steps=r.training.steps, mode=r.resilience.mode, every=r.checkpoint.every)
     one_rank = [k for k in fl.FAULTS if k not in ("congest", "kill-host")]  # those two need several hosts
     if mtbf_fault not in one_rank:
         raise DtkError(f"--mtbf-fault: got {mtbf_fault!r}; accepted: {', '.join(one_rank)}")

@@ -226,7 +226,8 @@ def launch(recipe: recipes.Recipe, *, recipe_path: str | None, topology: Topolog
                                                  "addresses": addresses}))
     board = faults.FaultBoard(run_store=run_store, run_dir=run_dir, world=world, nnodes=topology.nnodes,
                               schedule=list(fault_schedule or []), schedule_kind=schedule_kind,
-                              steps=recipe.training.steps, mode=recipe.resilience.mode)
+                              steps=recipe.training.steps, mode=recipe.resilience.mode,
+                              every=recipe.checkpoint.every)
     for f in inject or []:
         board.deliver(f)
     live = LiveControl(run_dir, board.live) if live_control and not node else None

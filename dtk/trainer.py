@@ -223,6 +223,26 @@ class Trainer:
             dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
         return Seam.failure is None
 
+    def _checkpoint(self, step: int) -> bool:
+        """Save the checkpoint of `step`; False when, in place, a peer failed during the save. That save is not
+        trusted (it has no manifest) and the run recovers. A rollback to an older protected step saves it again on
+        the way; otherwise the next boundary's checkpoint is the next one (the replacement joins at this boundary,
+        past its save, so it cannot take part in saving it again)."""
+        self.control.phase = "checkpoint"
+        self.injector.at(step, "checkpoint")
+        try:
+            checkpoint.save(self.engine, step=step, run_dir=self.run_dir, keep=self.recipe.checkpoint.keep,
+                            whole=lambda: Seam.failure is None)
+        except Exception:
+            if self.recipe.resilience.mode != "inplace" or Seam.failure is None:
+                raise
+        finally:
+            self.control.phase = "train"
+        if Seam.failure is None or self.recipe.resilience.mode != "inplace":
+            return True  # (outside in place, the launcher stops every rank on a failure)
+        log.warning("the checkpoint of step %d is not written: a peer failed during its save", step)
+        return False
+
     def _save_and_stop(self, step: int) -> None:
         """Preempted (SIGTERM to the launcher): every rank is at the same step boundary; save it, so that nothing
         is lost, and leave without finishing (the launcher says where the run stands)."""
@@ -272,10 +292,9 @@ class Trainer:
             for event in comm_boundary(step):  # comm.mode adaptive: the planner may change the plan here
                 if self.writer:
                     self.writer.event(event)
-            if r.checkpoint.every and step % r.checkpoint.every == 0:
-                self.control.phase = "checkpoint"
-                checkpoint.save(self.engine, step=step, run_dir=self.run_dir, keep=r.checkpoint.keep)
-                self.control.phase = "train"
+            if r.checkpoint.every and step % r.checkpoint.every == 0 and not self._checkpoint(step):
+                step = self._recover(step)  # a peer failed during the save
+                continue
             if step in r.comm.regroup_at:
                 if self.parity is not None:
                     self.parity.settle()

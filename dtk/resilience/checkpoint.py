@@ -12,6 +12,7 @@ import os
 import shutil
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -104,13 +105,18 @@ def write_manifest(path: Path) -> None:
     write_atomic(path / MANIFEST, json.dumps({"files": _needed(path)}))
 
 
-def save(engine, *, step: int, run_dir: str | Path, keep: int) -> float:
+def save(engine, *, step: int, run_dir: str | Path, keep: int, whole: Callable[[], bool] = lambda: True) -> float:
+    """Save the engine's state as checkpoints/step_<step>; rank 0 then writes its manifest, which makes it trusted,
+    unless `whole()` says otherwise (in place: a peer failed during the save, and the collectives it was released
+    from handed the others garbage)."""
     import torch.distributed.checkpoint as dcp  # here, not at the top: the launcher's latest() must not pay its 1.5 s
 
     t0 = time.perf_counter()
     path = checkpoint_dir(run_dir) / f"step_{step}"
     state = {"engine": engine.checkpoint_state(), "step": torch.tensor(step)}
     dcp.save(state, checkpoint_id=str(path))  # returns on every rank once .metadata is written
+    if not whole():
+        return time.perf_counter() - t0
     if dist.get_rank() == 0:
         write_manifest(path)
         old = sorted((int(p.name[5:]), p) for p in checkpoint_dir(run_dir).glob("step_*") if p.name[5:].isdigit())

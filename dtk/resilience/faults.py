@@ -41,10 +41,11 @@ FAULTS: dict[str, str] = {
     "congest": "test bed only (--testbed H): from step S shape a host's link (host=I) or one path (pair=I-J) to "
                "rate=R: congest:pair=0-1,rate=200mbit,step=5",
 }
-PHASES = ("forward", "backward", "optimizer", "commit", "recovery", "eval")
+PHASES = ("forward", "backward", "optimizer", "commit", "recovery", "eval", "checkpoint")
 """optimizer: before the rank's update; commit: after its update, before it counts the step; recovery: while the
 rank takes part in an in-place recovery, after the regroup and before the state is sent; eval: in the evaluation at
-the boundary of S steps done (eval.every), after its first batch."""
+the boundary of S steps done (eval.every), after its first batch; checkpoint: as the rank starts saving the
+checkpoint of S steps done (checkpoints/step_S; S a multiple of checkpoint.every)."""
 CORRUPT_EXIT = 75
 """Exit code of a rank that found its local state corrupted."""
 CONGEST_WAIT_S = 120.0
@@ -114,12 +115,19 @@ def parse(spec: str, *, world: int, fault_id: str, flag: str = "--fault", hosts:
     return Fault(kind=kind, rank=rank, step=step, phase=phase, factor=factor, seconds=seconds, id=fault_id)
 
 
-def check_reachable(parsed: list, *, steps: int, mode: str, flag: str = "--fault") -> None:
+def check_reachable(parsed: list, *, steps: int, mode: str, every: int | None = None, flag: str = "--fault") -> None:
     """A fault the run can never reach would not fire, and the chaos run would pass having tested nothing: refuse
-    one aimed at step `steps` or later, or at the recovery phase of a run that never recovers in place (DtkError,
-    one line per fault)."""
+    one aimed at step `steps` or later, at the recovery phase of a run that never recovers in place, or at the
+    checkpoint phase of a step that is not a checkpoint boundary (`every`: checkpoint.every; DtkError, one line per
+    fault)."""
     lines = []
     for f in parsed:
+        if (isinstance(f, Fault) and f.phase == "checkpoint" and every is not None and f.step is not None
+                and f.step < steps and not (every and f.step and f.step % every == 0)):
+            accepted = (f"step=S, a multiple of {every} below {steps}" if every else
+                        "checkpoint.every above 0")
+            lines.append(f"{flag}: got step={f.step} in {f.spec()!r}; phase=checkpoint fires as the checkpoint of S "
+                         f"steps done is saved, and checkpoint.every is {every}; accepted: {accepted}")
         if getattr(f, "step", None) is not None and f.step >= steps:
             what = f.spec() if isinstance(f, Fault) else f.as_fault()
             lines.append(f"{flag}: got step={f.step} in {what!r}; the run trains steps 0..{steps - 1} "
@@ -185,6 +193,8 @@ class FaultBoard:
     """training.steps: a live fault at or past it could never fire (check_reachable)."""
     mode: str = "none"
     """resilience.mode: phase=recovery is reachable only in place."""
+    every: int | None = None
+    """checkpoint.every: phase=checkpoint is reachable only at its boundaries."""
     attributed: set[str] = field(default_factory=set)
     """The fired faults already named as a failure's cause."""
     _next_random: int = 0
@@ -197,7 +207,7 @@ class FaultBoard:
         """From `dtk inject-failure --run` (dtk.resilience.live): parse (DtkError on a bad one: nothing is scheduled)
         and deliver, each under its id."""
         parsed = [parse(s, world=self.world, fault_id=i, flag="fault", nodes=self.nnodes) for s, i in zip(specs, ids)]
-        check_reachable(parsed, steps=self.steps, mode=self.mode, flag="fault")
+        check_reachable(parsed, steps=self.steps, mode=self.mode, every=self.every, flag="fault")
         for f in parsed:
             self.deliver(f)
         append_event(self.run_dir, {"event": "faults scheduled", "faults": [f.spec() for f in parsed]})

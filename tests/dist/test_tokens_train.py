@@ -20,8 +20,9 @@ def curves(run_dir) -> tuple[list[float], list[tuple[int, float]]]:
     return [r["loss"] for r in lines if "loss" in r], [(r["step"], r["eval_loss"]) for r in lines if "eval_loss" in r]
 
 
-def faulted(run_dir, *overrides: str, fault: str):
-    p = run_dtk("train", CORPUS, *TINY, *RUN, *overrides, f"output.dir={run_dir}", "--no-progress", "--fault", fault)
+def faulted(run_dir, *overrides: str, fault: str | list[str]):
+    faults = [a for f in ([fault] if isinstance(fault, str) else fault) for a in ("--fault", f)]
+    p = run_dtk("train", CORPUS, *TINY, *RUN, *overrides, f"output.dir={run_dir}", "--no-progress", *faults)
     assert p.returncode == 0, p.stderr[-3000:]
     return json.loads((run_dir / "summary.json").read_text())
 
@@ -43,12 +44,16 @@ def test_eval_loss_is_recorded_and_falls(reference):
 
 
 @pytest.mark.timeout(240)
-def test_a_rank_killed_in_an_evaluation_recovers_in_place_and_the_run_is_the_same(tmp_path, reference):
+def test_a_rank_killed_in_a_checkpoint_save_or_an_evaluation_recovers_in_place_and_the_run_is_the_same(
+        tmp_path, reference):
     _, losses, evals = reference
     run_dir = tmp_path / "inplace"
+    # rank 1 dies as it starts saving step_4: rank 0's save gathers from it, is released and must not trust the save
     summary = faulted(run_dir, "resilience.mode=inplace", "checkpoint.every=4",
-                      fault="kill:rank=1,step=8,phase=eval")
-    assert [f["step"] for f in summary["failures"]] == [8] and summary["failures"][0].get("recovery_s") is not None
+                      fault=["kill:rank=1,step=4,phase=checkpoint", "kill:rank=1,step=8,phase=eval"])
+    assert [f["step"] for f in summary["failures"]] == [4, 8], summary["failures"]
+    assert all(f.get("recovery_s") is not None for f in summary["failures"]), summary["failures"]
+    assert "the checkpoint of step 4 is not written" in (run_dir / "logs" / "rank0.log").read_text()
     assert curves(run_dir) == (losses, evals)  # the eval at 8 was redone and recorded once
     # the promoted shadow saves too: its rehearsal's DTensor offsets once failed DCP's plan at the first save after
     assert (run_dir / "checkpoints" / "step_12" / "manifest.json").is_file()
