@@ -75,6 +75,14 @@ def _parse_endpoint(value: str | None) -> str | None:
     return value
 
 
+def _prestart(r: recipes.Recipe):
+    """This node's ranks, started importing before this process imports torch (dtk.prestart)."""
+    from dtk.prestart import Prestarted
+
+    return Prestarted(r.world.nproc, threads_per_rank=r.world.threads_per_rank, device=r.world.device,
+                      deepspeed=r.strategy.name.startswith("zero"))
+
+
 @app.command()
 def train(
     recipe: RecipeArg,
@@ -116,19 +124,25 @@ def train(
         from dtk.testbed.net import check_environment
 
         check_environment()
-    from dtk.resilience import faults as fl
+    # the ranks start importing now, while this process imports torch (a test bed's launchers start their own)
+    ranks = None if testbed else _prestart(r)
+    try:
+        from dtk.resilience import faults as fl
 
-    world = r.world.nproc * (testbed or nnodes)
-    parsed = [fl.parse(spec, world=world, fault_id=f"f{i}", hosts=testbed or None, nodes=testbed or nnodes)
-              for i, spec in enumerate(fault or [])]
-    fl.check_reachable(parsed, steps=r.training.steps, mode=r.resilience.mode, every=r.checkpoint.every)
-    fl.arm_checksums(r.resilience, faults=parsed)
-    from dtk.launch import run_here  # imports torch: only once the input is known to be good
-    from dtk.rendezvous import Topology
+        world = r.world.nproc * (testbed or nnodes)
+        parsed = [fl.parse(spec, world=world, fault_id=f"f{i}", hosts=testbed or None, nodes=testbed or nnodes)
+                  for i, spec in enumerate(fault or [])]
+        fl.check_reachable(parsed, steps=r.training.steps, mode=r.resilience.mode, every=r.checkpoint.every)
+        fl.arm_checksums(r.resilience, faults=parsed)
+        from dtk.launch import run_here
+        from dtk.rendezvous import Topology
 
-    topo = Topology(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=endpoint)
-    code, run_dir = run_here(r, recipe_path=recipe, testbed=testbed, topology=topo, show_progress=progress,
-                             inject=parsed, live_control=live_control)
+        topo = Topology(nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=endpoint)
+        code, run_dir = run_here(r, recipe_path=recipe, testbed=testbed, topology=topo, show_progress=progress,
+                                 inject=parsed, live_control=live_control, prestarted=ranks)
+    finally:
+        if ranks is not None:
+            ranks.close()
     if node_rank:  # node 0 prints the run's result; another node says how its own part ended
         state = {0: "done", 130: "interrupted", 143: "interrupted (SIGTERM)"}.get(code, "failed")
         out.print(f"node {node_rank}: {state}; its summary: {run_dir / f'summary-node{node_rank}.json'} "
@@ -354,10 +368,9 @@ def inject_failure(
     progress: Annotated[bool, typer.Option(help="Show the live progress line.")] = True,
 ) -> None:
     """Break a run on purpose and report what recovery cost (detect, downtime and its breakdown, steps lost)."""
-    from dtk.resilience import faults as fl
-
     args, specs = list(args or []), list(fault or [])
     if run is not None:
+        from dtk.resilience import faults as fl
         from dtk.resilience.live import send_faults
 
         if not args + specs:
@@ -369,10 +382,21 @@ def inject_failure(
         return
     if not args:
         raise DtkError("recipe: missing; accepted: dtk inject-failure RECIPE [key=value ...] --fault KIND:rank=R,step=S")
-    from dtk.launch import launch
-
     recipe_path, overrides = args[0], args[1:]
     r = recipes.load(recipe_path, overrides)
+    ranks = _prestart(r)
+    try:
+        _inject_and_run(r, recipe_path, specs, mtbf=mtbf, mtbf_fault=mtbf_fault, seed=seed, progress=progress,
+                        prestarted=ranks)
+    finally:
+        ranks.close()
+
+
+def _inject_and_run(r: recipes.Recipe, recipe_path: str, specs: list[str], *, mtbf: str | None, mtbf_fault: str,
+                    seed: int, progress: bool, prestarted) -> None:
+    from dtk.launch import launch
+    from dtk.resilience import faults as fl
+
     world = r.world.nproc
     parsed = [fl.parse(spec, world=world, fault_id=f"f{i}") for i, spec in enumerate(specs)]
     fl.check_reachable(parsed, steps=r.training.steps, mode=r.resilience.mode, every=r.checkpoint.every)
@@ -384,7 +408,7 @@ def inject_failure(
         raise DtkError("--fault: none given; accepted: --fault KIND:rank=R,step=S (repeatable) or --mtbf 30s")
     fl.arm_checksums(r.resilience, faults=parsed, random_kind=mtbf_fault)
     code, run_dir = launch(r, recipe_path=recipe_path, show_progress=progress, inject=parsed,
-                           fault_schedule=schedule, schedule_kind=mtbf_fault)
+                           fault_schedule=schedule, schedule_kind=mtbf_fault, prestarted=prestarted)
     _print_recovery_report(run_dir)
     _print_run_result(run_dir, code)
     _print_unfired(run_dir, parsed, mtbf=mtbf)

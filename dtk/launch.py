@@ -23,7 +23,7 @@ import torch.distributed as dist
 from dtk import recipe as recipes
 from dtk.metrics import append_event
 from dtk.netif import backend_env, own_addresses
-from dtk.parentdeath import die_with_parent
+from dtk.prestart import Prestarted, ds_accelerator, rank_preexec
 from dtk.report import ProgressLine, write_summary
 from dtk.resilience import faults
 from dtk.resilience import protocol as keys
@@ -41,15 +41,6 @@ from dtk.testbed.run import train_on_testbed
 SHADOW_IDS_PER_NODE = 1000
 
 
-def _rank_preexec() -> None:
-    """In a rank's process before exec: die with the launcher (Linux), ignore Ctrl-C (the launcher handles it for
-    the whole run: it stops the ranks and says where the run stands), and block SIGTERM (its mask is kept across
-    exec; dtk.worker's watch thread tells the launcher's from another's)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # taken by one thread of the rank (dtk.worker)
-    die_with_parent()
-
-
 @dataclass(kw_only=True)
 class Host:
     """This node's processes: its ranks in the current attempt and its shadows (dtk.resilience.supervisor.Host)."""
@@ -63,6 +54,8 @@ class Host:
     procs: dict[int, subprocess.Popen] = field(default_factory=dict)
     shadows: ShadowPool | None = None
     attempt: int = 0
+    prestarted: Prestarted | None = None
+    """The first attempt's ranks, started importing before this launcher imported torch (dtk.prestart)."""
 
     def __post_init__(self) -> None:
         self.first_rank = self.topology.node_rank * self.recipe.world.nproc
@@ -80,8 +73,7 @@ class Host:
                    DTK_ATTEMPT=str(self.attempt), DTK_SPAWNED_AT=repr(time.time()), PYTHONUNBUFFERED="1")
         # world.interface: GLOO/NCCL_SOCKET_IFNAME (picked once, printed once)
         env.update(backend_env(self.recipe.world.interface, endpoint=self.address, multi_node=self.topology.nnodes > 1))
-        if self.recipe.world.device == "cpu" or not env.get("DS_ACCELERATOR"):
-            env["DS_ACCELERATOR"] = "cpu" if self.recipe.world.device != "cuda" else "cuda"
+        env["DS_ACCELERATOR"] = ds_accelerator(self.recipe.world.device, env)
         env.pop("DTK_JOIN_GENERATION", None)
         env.pop("DTK_SHADOW", None)
         if join_generation is not None:
@@ -95,12 +87,17 @@ class Host:
         try:
             # a rank dies with its launcher, and leaves Ctrl-C to it (the launcher stops the ranks and reports)
             return subprocess.Popen([sys.executable, "-m", "dtk.worker"], env=env, stdout=logf,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_rank_preexec)
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=rank_preexec)
         finally:
             logf.close()
 
     def spawn(self, rank: int, join_generation: int | None = None) -> subprocess.Popen:
-        proc = self._popen(f"rank{rank}.log", self._env(rank, join_generation))
+        env, log_name = self._env(rank, join_generation), f"rank{rank}.log"
+        proc = None
+        if self.prestarted is not None and self.attempt == 0 and join_generation is None:
+            proc = self.prestarted.hand_over(env, str(self.run_dir / "logs" / log_name))
+        if proc is None:
+            proc = self._popen(log_name, env)
         self.procs[rank] = proc
         self._write_pids()
         return proc
@@ -185,7 +182,7 @@ class Host:
 
 def run_here(recipe: recipes.Recipe, *, recipe_path: str | None, testbed: int, inject: list, show_progress: bool,
              topology: Topology | None = None, fault_schedule: list | None = None, schedule_kind: str = "kill",
-             live_control: bool = True) -> tuple[int, Path]:
+             live_control: bool = True, prestarted: Prestarted | None = None) -> tuple[int, Path]:
     """Run the recipe on this machine; (exit code, run folder). With `testbed` hosts: on an emulated network of that
     many (dtk.testbed.run, whose driver starts one launcher per host, serves `dtk inject-failure --run` and sets the
     topology; it takes no random faults), else as this node's launcher (`launch`)."""
@@ -193,15 +190,18 @@ def run_here(recipe: recipes.Recipe, *, recipe_path: str | None, testbed: int, i
         return train_on_testbed(recipe, recipe_path=recipe_path, hosts=testbed, faults=inject,
                                 show_progress=show_progress)
     return launch(recipe, recipe_path=recipe_path, topology=topology, show_progress=show_progress, inject=inject,
-                  fault_schedule=fault_schedule, schedule_kind=schedule_kind, live_control=live_control)
+                  fault_schedule=fault_schedule, schedule_kind=schedule_kind, live_control=live_control,
+                  prestarted=prestarted)
 
 
 def launch(recipe: recipes.Recipe, *, recipe_path: str | None, topology: Topology | None = None,
            show_progress: bool = True, inject: list | None = None, fault_schedule: list | None = None,
-           schedule_kind: str = "kill", live_control: bool = True) -> tuple[int, Path]:
+           schedule_kind: str = "kill", live_control: bool = True,
+           prestarted: Prestarted | None = None) -> tuple[int, Path]:
     """Run this node's share of the recipe; (exit code, run folder). `inject`: faults to deliver; `fault_schedule`:
     (seconds of training, rank) of random faults of `schedule_kind` (--mtbf); `live_control`: serve
-    `dtk inject-failure --run` (node 0 only; off where a test bed's driver serves it for the run)."""
+    `dtk inject-failure --run` (node 0 only; off where a test bed's driver serves it for the run); `prestarted`:
+    this node's first ranks, already importing (dtk.prestart; the launch ends those it does not use)."""
     topology = topology or Topology()
     recipes.check_launch(recipe, nnodes=topology.nnodes)
     if recipe.output.dir and recipe.checkpoint.resume == "auto" and topology.nnodes == 1:
@@ -216,7 +216,8 @@ def launch(recipe: recipes.Recipe, *, recipe_path: str | None, topology: Topolog
     check_shared(store, run_dir=run_dir, node_rank=node, nnodes=topology.nnodes, resume=recipe.checkpoint.resume,
                  timeout_s=recipe.world.timeout_s)
     state = RunState()
-    host = Host(recipe=recipe, run_dir=run_dir, topology=topology, address=address, world=world)
+    host = Host(recipe=recipe, run_dir=run_dir, topology=topology, address=address, world=world,
+                prestarted=prestarted)
     local = LocalView(processes=host, state=state, run_dir=run_dir)
     role = node_role(nnodes=topology.nnodes, node=node, mode=recipe.resilience.mode, nproc=recipe.world.nproc,
                      local=local, state=state, run_store=run_store)
@@ -241,6 +242,8 @@ def launch(recipe: recipes.Recipe, *, recipe_path: str | None, topology: Topolog
         signal.signal(signal.SIGTERM, lambda signum, frame: setattr(supervisor, "sigterm", True))
     try:
         supervisor.start_attempt(0)
+        if prestarted is not None:
+            prestarted.close()
         code = _watch(supervisor, host=host, node=node, show_progress=show_progress)
     except OSError as e:
         if e.errno != errno.ENOSPC:

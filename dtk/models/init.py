@@ -188,8 +188,10 @@ class Blueprint:
     seeded init was most of a promoted ZeRO-3 shadow's build, on the survivors' critical path."""
 
     def meta(self) -> nn.Module:
-        with torch.device("meta"):
-            return self.build().to(self.dtype)
+        # a draw on meta gives no values, but it runs torch's reference kernels, and their first use imports
+        # torch._dynamo: 0.5 s of every rank's start
+        with torch.device("meta"), undrawn():
+            return self.construct().to(self.dtype)
 
     def build(self) -> nn.Module:
         """The modules on the current default device (meta, or inside deepspeed.zero.Init); their values are
