@@ -1,9 +1,10 @@
-"""Rank processes started before the launcher imports torch: `dtk train` starts this node's ranks as soon as its
-input is known to be good, so that their imports (torch, torch._dynamo, which DDP's constructor imports, dtk's
-engines: about 2.5 s of a rank's start) run while the launcher imports torch and opens the run's store (1.5-2 s),
-instead of after. A prestarted process (`python -m dtk.worker --prestarted`) imports, then reads one line on its
-stdin: its environment and log file, which the launcher knows only later (`Prestarted.hand_over`). End of input
-(the launcher ended before it started the ranks) ends it. Torch-free: imported before torch."""
+"""Rank processes started before the launcher imports torch: `dtk train` starts this node's ranks as soon as the
+recipe loads (a bad --fault flag found after ends them), so that their imports (torch, torch._dynamo, which DDP's
+constructor imports, dtk's engines: about 2.5 s of a rank's start) run while the launcher imports torch and opens
+the run's store (1.5-2 s), instead of after. A prestarted process (`python -m dtk.worker --prestarted`) imports,
+then reads one line on its stdin: its environment and log file, which the launcher knows only later
+(`Prestarted.hand_over`). End of input (the launcher ended before it started the ranks) ends it. Torch-free:
+imported before torch."""
 from __future__ import annotations
 
 import json

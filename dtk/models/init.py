@@ -188,8 +188,7 @@ class Blueprint:
     seeded init was most of a promoted ZeRO-3 shadow's build, on the survivors' critical path."""
 
     def meta(self) -> nn.Module:
-        # a draw on meta gives no values, but it runs torch's reference kernels, and their first use imports
-        # torch._dynamo: 0.5 s of every rank's start
+        # a draw on meta gives no values: it would only run torch's reference kernels
         with torch.device("meta"), undrawn():
             return self.construct().to(self.dtype)
 
