@@ -75,10 +75,17 @@ def become(order_line: str) -> None:
     order = json.loads(order_line)
     os.environ.clear()
     os.environ.update(order["env"])
-    fd = os.open(order["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    write_to(order["log"])
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
+
+
+def write_to(log: str) -> None:
+    """This process's stdout and stderr (fds 1 and 2) append to `log` from now on."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)

@@ -68,12 +68,9 @@ def _watch_sigterm() -> None:
 
 def _become_rank(run_dir: str, rank: int) -> None:
     """A promoted shadow writes from now on where the rank it replaces wrote: logs/rank<N>.log."""
-    fd = os.open(Path(run_dir) / "logs" / f"rank{rank}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
+    from dtk.prestart import write_to
+
+    write_to(str(Path(run_dir) / "logs" / f"rank{rank}.log"))
     _setup_logging(f"rank {rank}")
 
 
