@@ -65,8 +65,12 @@ def test_a_failed_op_is_flagged_and_not_raised(group):
 def test_a_release_frees_a_wait_that_would_block(group):
     Seam.groups = [SimpleNamespace(release_outstanding=lambda: [w._finish() for w in list(group.outstanding)])]
     work = SeamWork(group, "reduce_scatter", None, InnerWork([]))
-    threading.Timer(0.1, Seam.release, args=("rank 1 died",)).start()
+    release = threading.Timer(0.1, Seam.release, args=("rank 1 died",))
+    release.start()
     assert work.wait() is True  # without the release it would block for good (pytest's timeout ends it)
+    # the wait can end on the flagged failure before the release has gone through the groups: joined here, so that
+    # its tail does not release the next test's group
+    release.join()
     assert Seam.failure == "rank 1 died" and not group.outstanding
 
 
@@ -86,8 +90,12 @@ class FuturelessWork:
 def test_a_release_frees_a_wait_on_a_work_that_ignores_its_timeout(group):
     Seam.groups = [SimpleNamespace(release_outstanding=lambda: [w._finish() for w in list(group.outstanding)])]
     work = SeamWork(group, "reduce_scatter", None, FuturelessWork())
-    threading.Timer(0.1, Seam.release, args=("rank 2 died",)).start()
+    release = threading.Timer(0.1, Seam.release, args=("rank 2 died",))
+    release.start()
     assert work.wait() is True  # without the release it would block for good (pytest's timeout ends it)
+    # the wait can end on the flagged failure before the release has gone through the groups: joined here, so that
+    # its tail does not release the next test's group
+    release.join()
     assert Seam.failure == "rank 2 died" and not group.outstanding
 
 
