@@ -50,7 +50,8 @@ class Prestarted:
         while self.waiting:
             proc = self.waiting.pop(0)
             if proc.poll() is not None:
-                continue  # it died importing: the launcher starts the rank the usual way, and its log shows why
+                # it crashed importing (an import that raises waits for its order and raises in the rank's log):
+                continue  # the launcher starts the rank the usual way, and its log shows why
             try:
                 assert proc.stdin is not None
                 proc.stdin.write((json.dumps({"env": env, "log": log}) + "\n").encode())

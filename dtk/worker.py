@@ -302,22 +302,30 @@ def main() -> None:
 
 def prestarted(deepspeed: bool) -> None:
     """`python -m dtk.worker --prestarted [deepspeed]` (dtk.prestart): the imports of a rank's start, then the rank
-    the launcher hands over on stdin."""
-    import torch  # noqa: F401
-    import torch._dynamo  # noqa: F401  (DDP's constructor imports it: 1.2 s)
-    import torch.distributed  # noqa: F401
-
-    import dtk.strategies  # noqa: F401
-    import dtk.trainer  # noqa: F401
+    the launcher hands over on stdin. An import that fails is raised once the rank's log is known, so that its
+    traceback is in that log, where a rank started the usual way would have written it."""
     from dtk.prestart import become
 
-    if deepspeed:
-        import deepspeed as _  # noqa: F401
+    failed = None
+    try:
+        import torch  # noqa: F401
+        import torch._dynamo  # noqa: F401  (DDP's constructor imports it: 1.2 s)
+        import torch.distributed  # noqa: F401
+
+        import dtk.strategies  # noqa: F401
+        import dtk.trainer  # noqa: F401
+
+        if deepspeed:
+            import deepspeed as _  # noqa: F401
+    except Exception as e:  # noqa: BLE001  (raised below, in the rank's log)
+        failed = e
 
     order = sys.stdin.readline()
     if not order:
         os._exit(0)  # the launcher ended before it started the ranks
     become(order)
+    if failed is not None:
+        raise failed
     main()
 
 
