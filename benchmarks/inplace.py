@@ -34,13 +34,13 @@ MODELS = {
 
 
 def run_failure(model: str, fault: str, mode: str, workdir: Path, strategy: str = "ddp", every: str = "1",
-                phase: str = "forward") -> dict:
+                phase: str = "forward", extra: list[str] | None = None) -> dict:
     m = MODELS[model]
     run_dir = workdir / f"{model}-{fault}-{mode}-{strategy}-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "dtk.cli", "inject-failure", str(ROOT / "recipes" / "quickstart.yaml"),
            *dtk_overrides(), *m["overrides"], f"strategy.name={strategy}", f"training.steps={m['at'] + 1}", f"resilience.mode={mode}",
-           f"checkpoint.every={m['every']}", f"resilience.protect_every={every}", f"output.dir={run_dir}",
-           "--fault", f"{fault}:rank=1,step={m['at']}" + (f",phase={phase}" if phase != "forward" else ""),
+           f"checkpoint.every={m['every']}", f"resilience.protect_every={every}", *(extra or []),
+           f"output.dir={run_dir}", "--fault", f"{fault}:rank=1,step={m['at']}" + (f",phase={phase}" if phase != "forward" else ""),
            "--no-progress"]
     _run(cmd, what=f"dtk {model} {fault} {mode}")
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -50,7 +50,7 @@ def run_failure(model: str, fault: str, mode: str, workdir: Path, strategy: str 
     return {"downtime_s": f["downtime_s"], "detect_s": f["detect_s"], "steps_lost": f["steps_lost"],
             "breakdown_s": f.get("breakdown_s", {}), "repair_bytes": f.get("repair_bytes"),
             "replacement": [r["replacement"] for r in f.get("replacements", [])],
-            "rebuilt_from": f.get("rebuilt_from"),
+            "rebuilt_from": f.get("rebuilt_from"), "rolled_forward": f.get("rolled_forward"),
             "hang_timeout_s": summary.get("resilience", {}).get("heartbeat_timeout_s"),
             "final_loss": summary["final_loss"]}
 
@@ -96,6 +96,8 @@ def main() -> None:
     p.add_argument("--protect-every", default="1", help="resilience.protect_every values for the parity cost runs")
     p.add_argument("--parity-override", action="append", default=[],
                    help="a recipe override for the parity cost runs, e.g. resilience.mtbf_s=600 (repeatable)")
+    p.add_argument("--inplace-override", action="append", default=[],
+                   help="a recipe override for the in-place failure runs, e.g. resilience.roll_forward=true")
     p.add_argument("--phase", default="forward",
                    help="where in the step the fault fires: forward (the step's start, while the last boundary's "
                         "background protection may be in flight: the worst case), backward, optimizer or commit")
@@ -113,7 +115,8 @@ def main() -> None:
                     for rep in range(args.reps):
                         for mode in (("checkpoint", "inplace") if rep % 2 == 0 else ("inplace", "checkpoint")):
                             runs[mode].append(run_failure(model, fault, mode, workdir, strategy,
-                                                          args.protect_every.split(",")[0], args.phase))
+                                                          args.protect_every.split(",")[0], args.phase,
+                                                          args.inplace_override if mode == "inplace" else None))
                             print(f"  {strategy} {model} {fault} {mode} rep {rep + 1}: downtime "
                                   f"{runs[mode][-1]['downtime_s']:.2f}s ({time.time() - t0:.0f}s in)", flush=True)
                     med = {k: statistics.median(r["downtime_s"] for r in v) for k, v in runs.items()}

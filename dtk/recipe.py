@@ -218,6 +218,11 @@ class ResilienceConfig(Section):
     mtbf_s: Optional[float] = Field(None, gt=0)
     """Mean seconds between failures of the whole job, for protect_every: auto. Default: 6,490 s, what a
     16,384-GPU job sees at `dtk simulate productivity`'s default 6.5 failures per 1,000 node-days."""
+    roll_forward: bool = False
+    """fsdp in place: keep the XOR of the other ranks' reduced gradient chunks of the last step (one gradient shard
+    of host memory; two in an odd world), so that a rank lost in its update, after the step's last collective, is
+    rebuilt and makes that update itself while the survivors keep theirs: nothing is redone. Other failures roll
+    back as before. Not with optimizer.grad_clip (the clipped update needs every rank's norm)."""
 
 
     @field_validator("protect_every", mode="before")
@@ -335,6 +340,12 @@ def _semantic_lines(r: Recipe) -> list[str]:
             lines.append("data.path: missing; data 'text' needs a text file")
         elif not Path(r.data.path).is_file():
             lines.append(f"data.path: got {r.data.path!r}; no such file")
+    if r.resilience.roll_forward and r.strategy.name not in ("ddp", "fsdp"):
+        lines.append(f"resilience.roll_forward: not offered for strategy.name {r.strategy.name!r}; accepted "
+                     f"strategies: fsdp (ddp redoes nothing already)")
+    elif r.resilience.roll_forward and r.optimizer.grad_clip:
+        lines.append(f"resilience.roll_forward: not offered with optimizer.grad_clip {r.optimizer.grad_clip} (a "
+                     f"clipped update needs every rank's norm); accepted: optimizer.grad_clip 0")
     if r.resilience.mode == "inplace" and r.strategy.name.startswith("gcpsl"):
         lines.append(f"resilience.mode: 'inplace' is not offered for strategy.name {r.strategy.name!r}; accepted "
                      f"strategies: ddp, fsdp, zero1, zero2, zero3")

@@ -11,6 +11,7 @@ import os
 import resource
 import time
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,8 @@ from dtk.resilience import protocol as keys
 from dtk.resilience.control import Control
 from dtk.resilience.faults import CORRUPT_EXIT, Injector, checksum
 from dtk.resilience.parity import ParityKeeper
-from dtk.strategies.base import Engine, logits_of
+from dtk.resilience.reduced import ReducedGrads
+from dtk.strategies.base import Engine, RollsForward, logits_of
 from dtk.strategies.dtypes import DtypeProbe
 from dtk.strategies.memory import BuildMemory, model_state_bytes
 
@@ -85,6 +87,11 @@ class Trainer:
         # a fault aimed at the backward phase fires when backward reaches the model's output
         self.engine.module.register_forward_hook(self._arm_backward_fault)
         self.dtypes = DtypeProbe(self.engine)  # what the first forward computed in: summary.json -> dtypes
+        self.reduced: ReducedGrads | None = None
+        if self.parity is not None and self.recipe.resilience.roll_forward and hasattr(self.engine, "update_alone"):
+            self.rolls = cast(RollsForward, self.engine)
+            self.reduced = Seam.reduced = self.parity.reduced = ReducedGrads(rank=self.rank, world=self.world)
+            self.parity.roll_forward_fn = self._roll_forward
 
     def _arm_backward_fault(self, module, inputs, output) -> None:
         output = logits_of(output)  # transformers models return a ModelOutput
@@ -144,7 +151,11 @@ class Trainer:
         self.control.beat(step)
         self.injector.at(step, "forward")
         self._verify_state(step)
+        if self.reduced is not None:
+            self.reduced.begin(step)
         loss = self._micro_steps(step)
+        if self.reduced is not None:
+            self.reduced.seal(step, self.rolls.reduced_keys())
         self.injector.straggle(time.perf_counter() - t0)
         share = self.engine.grad_square_share()  # None: the engine's update measures the norm
         rows = self._gather([loss.item(), float(peak_memory_bytes(self.device, self.base_rss)), float(self.build_peak),
@@ -184,6 +195,12 @@ class Trainer:
             **({"build_peak_memory_bytes": [int(v) for v in rows[:, 2].tolist()], "dtypes": self.dtypes.seen()}
                if step == self.first_step else {}),
         }
+
+    def _roll_forward(self, step: int, chunks: list[tuple[int, torch.Tensor]]) -> None:
+        """A rank rebuilt at `step` whose survivors committed it: its update of `step` from its reduced gradients
+        (resilience.roll_forward), the same update the lost rank would have made."""
+        self._set_lr(step)
+        self.rolls.update_alone(chunks)
 
     def resume_records(self, step: int) -> None:
         """Rank 0, about to run `step`: drop the records of the steps it will redo, and write the plan's record of the
@@ -262,12 +279,21 @@ class Trainer:
         self.build_peak = self.build_memory.peak_bytes() if self.build_memory else 0
         self.last_record: dict | None = None
         Seam.stats.take()  # the engine's start-up traffic (DDP's broadcast, DeepSpeed's init) is not a step's
-        if self.parity is not None and not self.parity.protected:  # (a rebuilt replacement's rows are protected)
-            self.parity.protect(step)
+        if self.parity is not None and self.parity.due(step) and self.parity.rolled_to != step:
+            self.parity.protect(step)  # (a rebuilt replacement's rows are protected)
         if self.writer and hasattr(self.dataset, "windows"):  # summary.json -> epochs (tokens)
             self.writer.event({"event": "data", "windows": self.dataset.windows,
                                "samples_per_step": self.samples_per_step})
         while True:
+            if self.parity is not None and self.parity.rolled_to == step:
+                # rolled forward: every rank is past this boundary's update, and none did its work
+                self.parity.rolled_to = -1
+                outcome = self._boundary(step, step_seconds=0.0)
+                if outcome == "stop":
+                    return
+                if outcome == "failed":
+                    step = self._recover(step)
+                    continue
             if self.evaluator.due(step):
                 self.control.phase = "eval"
                 evaluated = self.evaluator.run(step)
@@ -287,25 +313,11 @@ class Trainer:
             if record is None or Seam.failure is not None or not self._all_committed(step):
                 step = self._recover(step)  # a failure seen after a whole update: no more collectives
                 continue
-            if self.parity is not None and self.parity.due(step):  # resilience.protect_every
-                self.parity.protect(step, step_seconds=record["step_seconds"])  # overlaps the next forward/backward
-            for event in comm_boundary(step):  # comm.mode adaptive: the planner may change the plan here
-                if self.writer:
-                    self.writer.event(event)
-            if r.checkpoint.every and step % r.checkpoint.every == 0 and not self._checkpoint(step):
-                step = self._recover(step)  # a peer failed during the save
-                continue
-            if step in r.comm.regroup_at:
-                if self.parity is not None:
-                    self.parity.settle()
-                seconds = Seam.reconfigure(Seam.generation + 1)
-                log.info("planned regroup after step %d: generation %d in %.3fs", step, Seam.generation, seconds)
-                if self.writer:
-                    self.writer.event({"event": "regroup", "step": step, "generation": Seam.generation,
-                                       "seconds": seconds})
-            if r.checkpoint.every and self.control.stop_at(step) == step and step < r.training.steps:
-                self._save_and_stop(step)
+            outcome = self._boundary(step, step_seconds=record["step_seconds"])
+            if outcome == "stop":
                 return
+            if outcome == "failed":
+                step = self._recover(step)  # a peer failed during the save
         if self.parity is not None:
             self.parity.settle()
             if self.writer:  # what keeping parity cost this run: summary.json -> parity
@@ -314,6 +326,31 @@ class Trainer:
         if self.writer:
             self.writer.close()
         self.control.finish(step)
+
+    def _boundary(self, step: int, *, step_seconds: float) -> str:
+        """The work between a committed update and the next step, on every rank: protect, the comm plan, the
+        checkpoint, a planned regroup, a requested stop. "failed" (a peer failed during the save), "stop" (the
+        run was saved and stops here) or "next"."""
+        r = self.recipe
+        if self.parity is not None and self.parity.due(step):  # resilience.protect_every
+            self.parity.protect(step, step_seconds=step_seconds)  # overlaps the next forward/backward
+        for event in comm_boundary(step):  # comm.mode adaptive: the planner may change the plan here
+            if self.writer:
+                self.writer.event(event)
+        if r.checkpoint.every and step % r.checkpoint.every == 0 and not self._checkpoint(step):
+            return "failed"
+        if step in r.comm.regroup_at:
+            if self.parity is not None:
+                self.parity.settle()
+            seconds = Seam.reconfigure(Seam.generation + 1)
+            log.info("planned regroup after step %d: generation %d in %.3fs", step, Seam.generation, seconds)
+            if self.writer:
+                self.writer.event({"event": "regroup", "step": step, "generation": Seam.generation,
+                                   "seconds": seconds})
+        if r.checkpoint.every and self.control.stop_at(step) == step and step < r.training.steps:
+            self._save_and_stop(step)
+            return "stop"
+        return "next"
 
     def _save_final(self, step: int) -> None:
         r = self.recipe

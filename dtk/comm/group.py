@@ -438,15 +438,17 @@ def _reduce_scatter_base(g, output: torch.Tensor, input: torch.Tensor, opts):
     buf = input.detach().clone()
     ar = dist.AllreduceOptions()
     ar.reduceOp = opts.reduceOp
-    return _ChunkWork(g.allreduce([buf], ar), output, buf.view(g.size(), -1)[g.rank()])
+    sink = Seam.reduced if Seam.counting() else None  # strategy traffic only: not parity's own reduce-scatters
+    return _ChunkWork(g.allreduce([buf], ar), output, buf.view(g.size(), -1)[g.rank()],
+                      keep=None if sink is None else lambda: sink.add(buf, output))
 
 
 class _ChunkWork:
     """An all-reduce's work that, once complete, copies this rank's chunk of the sum into the reduce-scatter's
     output (exactly once, whichever of wait() or the future sees the completion first)."""
 
-    def __init__(self, work, output: torch.Tensor, chunk: torch.Tensor):
-        self._work, self._output, self._chunk = work, output, chunk
+    def __init__(self, work, output: torch.Tensor, chunk: torch.Tensor, *, keep=None):
+        self._work, self._output, self._chunk, self._keep = work, output, chunk, keep
         self._lock = threading.Lock()
         self._copied = False
 
@@ -455,6 +457,8 @@ class _ChunkWork:
             if not self._copied:
                 self._output.copy_(self._chunk)
                 self._copied = True
+                if self._keep is not None:  # resilience.roll_forward: the other ranks' chunks, while they are here
+                    self._keep()
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         self._work.wait() if timeout is None else self._work.wait(timeout)  # a slice's timeout raises, as gloo's

@@ -42,6 +42,13 @@ class SeamGroup(Protocol):
     def assume_rank(self, rank: int) -> None: ...
 
 
+class ReducedSink(Protocol):
+    """Takes what a reduce-scatter reduced (dtk.resilience.reduced.ReducedGrads, resilience.roll_forward)."""
+
+    def add(self, buf, output) -> None:
+        """buf: the all-reduced input, every rank's chunk; output: this rank's chunk's destination."""
+
+
 # Bytes a rank moves on the wire per byte of the collective's buffer (ring algorithms, as nccl-tests' busbw).
 def bus_factor(kind: str, n: int) -> float:
     if n <= 1:
@@ -120,6 +127,8 @@ class Seam:
     """recipe comm.mode: "adaptive" gives each DtkGroup a router (dtk.comm.dispatch) that follows the planner."""
     joining = False
     """True in a process that is built before it joins a running job: its groups stay local until reconfigured."""
+    reduced: ReducedSink | None = None
+    """Where strategy reduce-scatters on gloo hand what they reduced (resilience.roll_forward); None: nowhere."""
     cut = 0
     """Collectives completed without their result because a peer failed (skipped, or released while outstanding).
     A step whose update issued none kept it whole on this rank, even if the failure was seen before it was counted."""

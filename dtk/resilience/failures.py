@@ -129,7 +129,7 @@ class FailureRecord:
         own = {f.name: d[f.name] for f in fields(cls) if f.name not in _PARTS and f.name in d}
         record = cls(**own)
         if "recovery_s" in d:
-            record.in_place = InPlaceFigures(**{f.name: d[f.name] for f in fields(InPlaceFigures)})
+            record.in_place = InPlaceFigures(**{f.name: d[f.name] for f in fields(InPlaceFigures) if f.name in d})
         if d.get("recovery") == "checkpoint restart":
             record.restart = CheckpointRestart(**{f.name: d[f.name] for f in fields(CheckpointRestart)})
         if "downtime_s" in d:

@@ -75,14 +75,15 @@ def rejoin(*, engine, control, group, generation: int, device: torch.device, com
             step = int(step_t.item())
         else:
             try:
-                done = parity.recover(plan["replaced"])
+                done = parity.recover(plan["replaced"], committed=committed_step)
             except ParityLost:
                 if Seam.failure is None:
                     raise  # not a peer's failure: the parity left cannot rebuild these ranks
                 done = None
             if done is not None:
                 step, nbytes = done.step, done.bytes_decoded
-                rebuilt = {"rebuilt_from": f"parity tier {done.tier}", "rebuild_s": done.seconds}
+                rebuilt = {"rebuilt_from": f"parity tier {done.tier}", "rebuild_s": done.seconds,
+                           "rolled_forward": done.rolled_forward}
         if Seam.failure is None:
             timings = {"regroup_s": regroup_s, "repair_s": time.time() - t_regrouped, "repair_bytes": nbytes,
                        "plan_seen_at": t_plan, "regrouped_at": t_regrouped, "repaired_at": time.time(),

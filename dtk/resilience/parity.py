@@ -45,6 +45,7 @@ import torch.distributed as dist
 from dtk.comm.group import Seam
 from dtk.recipe import parity_layout
 from dtk.resilience.erasure import RSLayout, XorLayout
+from dtk.resilience.reduced import ReducedGrads
 from dtk.resilience.schedule import DEFAULT_MTBF_S, ProtectSchedule
 from dtk.resilience.staging import FlatState
 
@@ -64,12 +65,15 @@ class ParityLost(RuntimeError):
 class RebuildReport:
     step: int
     """The step boundary every rank is at after the rebuild (updates applied): the trainer resumes there."""
-    tier: int
+    rolled_forward: bool = False
+    """The lost rank was rebuilt at step - 1 and made that step's update itself (resilience.roll_forward); the
+    survivors kept theirs."""
+    tier: int = 0
     """1: XOR inside the parity groups; 2: Reed-Solomon across groups; 0: nothing was lost (a rollback only)."""
-    lost: list[int]
-    bytes_decoded: int
-    """Protected-state bytes rebuilt, over all lost ranks."""
-    seconds: float
+    lost: list[int] = field(default_factory=list)
+    bytes_decoded: int = 0
+    """Protected-state bytes rebuilt, over all lost ranks (and the reduced gradients of a roll forward)."""
+    seconds: float = 0.0
     """From the call until every rank's live tensors hold step T and the lost ranks' parity is rebuilt."""
 
 
@@ -152,6 +156,13 @@ class ParityKeeper:
         self.stats = ExchangeStats()
         self._thread: threading.Thread | None = None
         self._result: bool | BaseException = True
+        self.reduced: ReducedGrads | None = None
+        """resilience.roll_forward: the last step's reduced gradients (the seam fills it)."""
+        self.roll_forward_fn: Callable[[int, list[tuple[int, torch.Tensor]]], None] | None = None
+        """(step, [(engine key, reduced bytes)]): on the lost rank, set the gradients and make the step's update."""
+        self.rolled_to = -1
+        """The boundary the last recovery rolled every rank forward to (-1: it did not): no rank did its work (the
+        trainer does it before the next step)."""
 
     def forget(self) -> None:
         """Hold nothing (a fresh replacement's keeper): no layout, no protected step."""
@@ -183,8 +194,10 @@ class ParityKeeper:
 
     @property
     def memory_bytes(self) -> int:
-        """What the keeper holds between exchanges: the staging rows (state and stripe) and the tier-2 shards."""
-        return 0 if self.rows is None else self.rows.nbytes + self.parity2.nbytes
+        """What the keeper holds between exchanges: the staging rows (state and stripe) and the tier-2 shards, and
+        the last step's reduced gradients for a roll forward."""
+        reduced = self.reduced.nbytes if self.reduced is not None else 0
+        return reduced + (0 if self.rows is None else self.rows.nbytes + self.parity2.nbytes)
 
     @property
     def peak_memory_bytes(self) -> int:
@@ -208,6 +221,8 @@ class ParityKeeper:
                 "parity_memory_bytes_per_rank": self.memory_bytes,
                 "protection_peak_memory_bytes": self.peak_memory_bytes,
                 "protection_memory_ratio": self.memory_bytes / local if local else None,
+                "roll_forward": self.reduced is not None,
+                "reduced_gradient_bytes": self.reduced.nbytes if self.reduced is not None else 0,
                 "parity_group": self.k, "parity_tier2": self.m, "ec_type": self.codec.ec_type if self.codec else None,
                 **self.schedule.figures(), "exchange": {k: v for k, v in vars(self.stats).items()}}
 
@@ -401,20 +416,26 @@ class ParityKeeper:
         return got
 
     # -- recovery --
-    def recover(self, lost: list[int]) -> RebuildReport:
+    def recover(self, lost: list[int], *, committed: int = -1) -> RebuildReport:
         """Run collectively by every rank (survivors and replacements, the ranks in `lost`) once the groups are
         rebuilt (Seam.reconfigure): agree on the step T, roll every survivor back to T, rebuild the lost ranks'
         rows of T (state and parity) and write them into their live tensors, then the engines' replicated state.
         Also repairs a corrupt rank in place (list it in `lost`: its own bytes and parity are not used). Raises
-        ParityLost when the parity left cannot do it."""
+        ParityLost when the parity left cannot do it. `committed`: the steps this survivor has committed.
+
+        Roll forward (resilience.roll_forward): when one rank was lost, every survivor committed T + 1 steps and
+        holds step T's sealed reduced gradients, the survivors keep their state of T + 1; the lost rank is rebuilt
+        at T, gets its reduced gradients of step T (one XOR-reduce) and makes that step's update itself."""
         self.settle()
         t0 = time.perf_counter()
         generation = Seam.generation
         lost_set = set(lost)
         is_lost = self.rank in lost_set
         mine = [self.state_bytes] + ([-1, -1] if is_lost or self.rows is None else self.usable())
+        red = self.reduced
+        kept = [-1, -1, 0, 0] if is_lost or red is None else [committed, red.sealed, len(red.sizes()), sum(red.sizes())]
         with Seam.uncounted():
-            table = self._all_gather(mine + [self.schedule.interval])
+            table = self._all_gather(mine + [self.schedule.interval] + kept)
             self._check(generation, "agreeing on the step")
             if is_lost:
                 self.forget()
@@ -424,6 +445,7 @@ class ParityKeeper:
             self.schedule.adopt(int(table[survivors, 3].max()))
             if not is_lost:
                 self._settle_delta(step)
+            forward = self._rolls_forward(table[:, 4:], survivors=survivors, lost=lost_set, step=step)
             tier = self._plan_tier(lost_set)
             if tier == 1:
                 self._rebuild_tier1(lost_set)
@@ -435,17 +457,56 @@ class ParityKeeper:
                 self._tier2_exchange(parity2)
                 self.parity2 = parity2
             self._check(generation, f"rebuilding from tier {tier}")
-            self._restore()
+            if is_lost or not forward:
+                self._restore()
+            grads = self._roll_forward(survivors=survivors, lost=lost[0], step=step, generation=generation) if forward else 0
             if self.rebuild_fn is not None:
                 self.rebuild_fn()
             self._check(generation, "rebuilding the replicated state")
             self.base = step
         self._result = True
-        report = RebuildReport(step=step, tier=tier, lost=sorted(lost_set),
-                               bytes_decoded=sum(self.sizes[r] for r in lost_set), seconds=time.perf_counter() - t0)
-        log.info("rebuilt rank(s) %s from tier %d at step %d: %d bytes in %.3fs", report.lost, tier, step,
-                 report.bytes_decoded, report.seconds)
+        self.rolled_to = step + 1 if forward else -1
+        report = RebuildReport(step=step + forward, rolled_forward=forward, tier=tier, lost=sorted(lost_set),
+                               bytes_decoded=sum(self.sizes[r] for r in lost_set) + grads,
+                               seconds=time.perf_counter() - t0)
+        log.info("rebuilt rank(s) %s from tier %d at step %d%s: %d bytes in %.3fs", report.lost, tier, step,
+                 " and rolled forward" if forward else "", report.bytes_decoded, report.seconds)
         return report
+
+    def _rolls_forward(self, kept: np.ndarray, *, survivors: list[int], lost: set[int], step: int) -> bool:
+        """Every rank answers the same from the table's columns (committed, sealed, entries, bytes) per rank."""
+        if self.reduced is None or self.roll_forward_fn is None or len(lost) != 1 or not survivors:
+            return False
+        rows = kept[survivors]
+        if len(survivors) % 2 == 0 and not self.reduced.keep_own:
+            return False
+        return bool((rows[:, 0] == step + 1).all() and (rows[:, 1] == step).all() and rows[0, 2] > 0
+                    and (rows[:, 2] == rows[0, 2]).all() and (rows[:, 3] == rows[0, 3]).all())
+
+    def _roll_forward(self, *, survivors: list[int], lost: int, step: int, generation: int) -> int:
+        """The lost rank's reduced gradients of `step` from the survivors' (an XOR-reduce over the world), then its
+        update of that step (roll_forward_fn). Returns the bytes reduced."""
+        red = self.reduced
+        assert red is not None and self.roll_forward_fn is not None  # _rolls_forward checked both
+        first = self.rank == survivors[0]  # every survivor holds the same layout: the first one sends it
+        count = torch.tensor([len(red.order) if first else 0], dtype=torch.int64)
+        dist.broadcast(count, survivors[0], group=self.world_group)
+        n = int(count[0])
+        layout = (torch.tensor(red.sizes() + red.order, dtype=torch.int64) if first
+                  else torch.zeros(2 * n, dtype=torch.int64))
+        dist.broadcast(layout, survivors[0], group=self.world_group)
+        sizes, order = layout[:n].tolist(), layout[n:].tolist()
+        self._check(generation, "sending the reduced gradients' layout")
+        buf = torch.zeros(sum(sizes), dtype=torch.uint8) if self.rank == lost else red.contribution(survivors=survivors)
+        for lo in range(0, buf.numel(), PIECE):
+            piece = buf[lo:lo + PIECE]
+            dist.reduce(piece if self.rank == lost else piece.clone(), dst=lost, op=dist.ReduceOp.BXOR,
+                        group=self.world_group)
+        self._check(generation, "sending the reduced gradients")
+        if self.rank == lost:
+            offsets = np.cumsum([0] + sizes)
+            self.roll_forward_fn(step, [(key, buf[offsets[i]:offsets[i + 1]].clone()) for i, key in enumerate(order)])
+        return int(buf.numel())
 
     def _check(self, generation: int, what: str) -> None:
         if self._failed(generation):

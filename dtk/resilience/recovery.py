@@ -72,6 +72,9 @@ class InPlaceFigures:
     rebuilt_from: str
     """Where the lost state came from: parity (its tier) or a peer's replica."""
     rebuild_s: float
+    rolled_forward: bool = False
+    """The lost rank made its update of the interrupted step again from the survivors' reduced gradients, and the
+    survivors kept theirs (resilience.roll_forward): no step redone."""
     source_rank: int
     lost_ranks: list[int]
     """Every rank lost during the recovery, in the order they were replaced (the failed ones first)."""
@@ -182,6 +185,7 @@ class Recovery:
             steps_lost=max(0, committed - back_to),
             rebuilt_from=rebuilt[0] if rebuilt else f"peer (rank {source})",
             rebuild_s=max((v.get("rebuild_s", 0.0) for v in rejoined.values()), default=0.0),
+            rolled_forward=any(v.get("rolled_forward") for v in rejoined.values()),
             source_rank=source,
             lost_ranks=self.lost,
             survivors=sorted(r for r in reports if r not in self.lost),

@@ -82,6 +82,18 @@ class Engine(Protocol):
         Every rank calls it together on a restart; a joining rank calls it on its local group."""
 
 
+class RollsForward(Engine, Protocol):
+    """An engine whose update one rank can make alone from its reduced gradients (resilience.roll_forward: FSDP2)."""
+
+    def reduced_keys(self) -> dict[int, int] | None:
+        """After the last micro-step: the storage address of each reduce-scatter output the gradients view -> the
+        engine's key for it (the same on every rank); None when they cannot be put back from those outputs."""
+
+    def update_alone(self, chunks: list[tuple[int, torch.Tensor]]) -> None:
+        """This rank's update (the optimizer's step at the learning rate set) from (key, that output's bytes) pairs,
+        the gradients the backward would have made, with no collective."""
+
+
 def logits_of(output) -> torch.Tensor:
     """A model's output as logits: a tensor, an object with `.logits` (transformers' ModelOutput) or a dict with
     "logits", or a tuple's first item."""

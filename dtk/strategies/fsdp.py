@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from dtk.metrics import append_event
@@ -66,6 +66,61 @@ class FSDPEngine:
         materialize_optimizer_state(self.optimizer)
         params = list(self.module.parameters())
         return [_local(p.data) for p in params] + [_local(t) for t in optimizer_tensors(self.optimizer, params)]
+
+    # -- resilience.roll_forward: a lost rank's update, made again from its reduced gradients --
+    def _param_groups(self) -> list:
+        """FSDP2's parameter groups (one per reduce-scatter of a step), in wrap order, the root's last: the same
+        on every rank."""
+        mods = list(dict.fromkeys([*self.wrap_units.modules, self.module]))
+        groups = (cast(FSDPModule, m)._get_fsdp_state()._fsdp_param_group for m in mods)
+        return [g for g in groups if g is not None]
+
+    def reduced_keys(self) -> dict[int, int] | None:
+        """After the step's backward: the storage address of each parameter group's gradients (FSDP2 views them
+        out of the group's reduce-scatter output) -> the group's index; None when a gradient is not such a view."""
+        keys = {}
+        for i, group in enumerate(self._param_groups()):
+            ptrs = set()
+            for fp in group.fsdp_params:
+                if not fp.sharded_param.requires_grad:
+                    continue
+                grad = fp.sharded_param.grad
+                if grad is None or grad.dtype != torch.float32:
+                    return None
+                ptrs.add(_local(grad).untyped_storage().data_ptr())
+            if len(ptrs) != 1:
+                return None
+            keys[ptrs.pop()] = i
+        return keys
+
+    def update_alone(self, chunks: list[tuple[int, torch.Tensor]]) -> None:
+        """This rank's update from each group's reduce-scatter output (`chunks`: (group index, its bytes)), with no
+        peer. Each parameter's gradient is a view at its padded offset, as FSDP2's post-backward makes it. The update
+        runs on the local tensors under a twin of the optimizer: the same kernels on the same tensors as through the
+        DTensors, without a fresh engine's cold DTensor dispatch (its sharding cache was 0.13 s of this 0.16 s
+        update for the 3.2M GPT)."""
+        groups, grads = self._param_groups(), {}
+        for i, raw in chunks:
+            out, offset = raw.view(torch.float32), 0
+            for fp in groups[i].fsdp_params:
+                if not fp.sharded_param.requires_grad:
+                    continue
+                grads[fp.sharded_param] = torch.as_strided(out, fp.sharded_size, fp.contiguous_sharded_stride, offset)
+                offset += fp.padded_sharded_param_size.numel()
+            if offset != out.numel():
+                raise RuntimeError(f"parameter group {i}: {out.numel()} reduced values for {offset} padded ones")
+        opt = self.optimizer
+        local = {p: _local(p).detach() for g in opt.param_groups for p in g["params"]}  # leaves, the same storage
+        make: Any = type(opt)  # Adam, AdamW, SGD: a list of groups, each with every hyperparameter, is enough
+        twin = make([{**{k: v for k, v in g.items() if k != "params"}, "params": [local[p] for p in g["params"]]}
+                          for g in opt.param_groups])
+        for p, lp in local.items():
+            lp.grad = grads.get(p)
+            twin.state[lp] = {k: _local(v).detach() if isinstance(v, torch.Tensor) else v
+                              for k, v in opt.state[p].items()}
+        twin.step()
+        for lp in local.values():
+            lp.grad = None
 
     def match_running_layout(self, x, y) -> None:
         pass  # its collectives do not depend on what the first step saw

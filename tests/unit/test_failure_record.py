@@ -17,7 +17,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
 NAMED = ["rank", "exit", "attempt", "generation", "detected_at", "step", "committed", "fault_time", "fault",
          "fault_spec"]
-IN_PLACE = ["resumed_at_step", "steps_lost", "rebuilt_from", "rebuild_s", "source_rank", "lost_ranks", "survivors",
+IN_PLACE = ["resumed_at_step", "steps_lost", "rebuilt_from", "rebuild_s", "rolled_forward", "source_rank", "lost_ranks", "survivors",
             "survivor_engines_kept", "replacements", "rounds", "released_at", "notice_s", "plan_at", "plan_s",
             "regrouped_at", "repaired_at", "repair_bytes", "promote_s", "regroup_s", "recovery_s"]
 
