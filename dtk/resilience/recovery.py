@@ -165,6 +165,10 @@ class Recovery:
             lost = {r for r in dead if r in wanted and r not in got}
             if lost:
                 return lost
+            done = sorted(r for r in wanted if r not in got and self.run.control.check([keys.done(r)]))
+            if done:  # it finished the run and exited: it will never report (a peer failed in the final save)
+                raise RecoveryFailed(f"rank(s) {done} finished the run before the failure was recovered; in place "
+                                     f"needs them running")
             if time.monotonic() > deadline:
                 missing = sorted(set(wanted) - set(got))
                 raise RecoveryFailed(f"recovery stalled: no {kind} report from rank(s) {missing} in "
