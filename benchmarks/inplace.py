@@ -38,9 +38,10 @@ def run_failure(model: str, fault: str, mode: str, workdir: Path, strategy: str 
     m = MODELS[model]
     run_dir = workdir / f"{model}-{fault}-{mode}-{strategy}-{time.monotonic_ns()}"
     cmd = [sys.executable, "-m", "dtk.cli", "inject-failure", str(ROOT / "recipes" / "quickstart.yaml"),
-           *dtk_overrides(), *m["overrides"], f"strategy.name={strategy}", f"training.steps={m['at'] + 1}", f"resilience.mode={mode}",
-           f"checkpoint.every={m['every']}", f"resilience.protect_every={every}", *(extra or []),
-           f"output.dir={run_dir}", "--fault", f"{fault}:rank=1,step={m['at']}" + (f",phase={phase}" if phase != "forward" else ""),
+           *dtk_overrides(), *m["overrides"], f"strategy.name={strategy}", f"training.steps={m['at'] + 1}",
+           f"resilience.mode={mode}", f"checkpoint.every={m['every']}", f"resilience.protect_every={every}",
+           *(extra or []), f"output.dir={run_dir}",
+           "--fault", f"{fault}:rank=1,step={m['at']}" + (f",phase={phase}" if phase != "forward" else ""),
            "--no-progress"]
     _run(cmd, what=f"dtk {model} {fault} {mode}")
     summary = json.loads((run_dir / "summary.json").read_text())

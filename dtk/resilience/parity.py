@@ -459,7 +459,9 @@ class ParityKeeper:
             self._check(generation, f"rebuilding from tier {tier}")
             if is_lost or not forward:
                 self._restore()
-            grads = self._roll_forward(survivors=survivors, lost=lost[0], step=step, generation=generation) if forward else 0
+            grads = 0
+            if forward:
+                grads = self._roll_forward(survivors=survivors, lost=lost[0], step=step, generation=generation)
             if self.rebuild_fn is not None:
                 self.rebuild_fn()
             self._check(generation, "rebuilding the replicated state")
