@@ -500,10 +500,7 @@ class ParityKeeper:
         sizes, order = layout[:n].tolist(), layout[n:].tolist()
         self._check(generation, "sending the reduced gradients' layout")
         buf = torch.zeros(sum(sizes), dtype=torch.uint8) if self.rank == lost else red.contribution(survivors=survivors)
-        for lo in range(0, buf.numel(), PIECE):
-            piece = buf[lo:lo + PIECE]
-            dist.reduce(piece if self.rank == lost else piece.clone(), dst=lost, op=dist.ReduceOp.BXOR,
-                        group=self.world_group)
+        self._reduce_to(lost, buf.numpy(), group=self.world_group)
         self._check(generation, "sending the reduced gradients")
         if self.rank == lost:
             offsets = np.cumsum([0] + sizes)
@@ -529,13 +526,14 @@ class ParityKeeper:
                              f"tier 2 survives at most resilience.parity_tier2 = {self.m}")
         return 2
 
-    def _reduce_to(self, target: int, buf: np.ndarray) -> None:
-        """XOR of every group member's `buf` into the target's `buf`, a piece at a time (the senders send copies)."""
+    def _reduce_to(self, target: int, buf: np.ndarray, group=None) -> None:
+        """XOR of every `group` member's `buf` (default: my tier-1 group) into the target's `buf`, a piece at a time
+        (the senders send copies)."""
         flat = torch.from_numpy(buf).view(-1)
         for lo in range(0, flat.numel(), PIECE):
             piece = flat[lo:lo + PIECE]
             dist.reduce(piece if self.rank == target else piece.clone(), dst=target, op=dist.ReduceOp.BXOR,
-                        group=self.tier1_group)
+                        group=group or self.tier1_group)
 
     def _rebuild_tier1(self, lost: set[int]) -> None:
         """One XOR-reduce of the rows to the lost member of my group (if it lost one). At the lost member's row s
