@@ -10,7 +10,7 @@ all chunks and makes the count right again: in an odd world each rank also keeps
 
 The record of step S is kept until the first reduce-scatter of step S + 1 completes: that one needed every rank,
 so every rank had committed S. A record is usable only once sealed: the engine matched every entry to its
-gradients after the step's last backward (`seal`), and said how to put them back (`entries`).
+gradients after the step's last backward (`seal`), giving each entry the key it puts it back by (`order`).
 """
 from __future__ import annotations
 

@@ -88,9 +88,10 @@ class FSDPEngine:
                 if grad is None or grad.dtype != torch.float32:
                     return None
                 ptrs.add(_local(grad).untyped_storage().data_ptr())
-            if len(ptrs) != 1:
+            if len(ptrs) > 1:
                 return None
-            keys[ptrs.pop()] = i
+            if ptrs:  # (a group of frozen parameters is not reduced)
+                keys[ptrs.pop()] = i
         return keys
 
     def update_alone(self, chunks: list[tuple[int, torch.Tensor]]) -> None:
