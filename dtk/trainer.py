@@ -334,6 +334,8 @@ class Trainer:
         r = self.recipe
         if self.parity is not None and self.parity.due(step):  # resilience.protect_every
             self.parity.protect(step, step_seconds=step_seconds)  # overlaps the next forward/backward
+        elif self.parity is not None:
+            self.parity.catch_up()  # the last rebuild's stripes, off the recovery's critical path
         for event in comm_boundary(step):  # comm.mode adaptive: the planner may change the plan here
             if self.writer:
                 self.writer.event(event)

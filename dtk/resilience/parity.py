@@ -19,16 +19,18 @@ rows, xor the live state while a delta is held) and T' if its own exchange of T'
 max of the steps usable on every survivor. It always exists: every rank keeps T until it has seen the vote of T'
 complete, and a rank sees that only once every rank has entered the vote, that is, finished its exchange of T', so
 T' is then usable everywhere. Every rank then writes the bytes of that step back into its live tensors (the updates
-since, and a half-done one, are rolled back), the lost ranks' rows are rebuilt whole, parity included (one XOR-reduce
-of the survivors' rows), and the engine rebuilds its replicated state. Nothing is protected again before the next
-step: the rebuilt rows are the lost rank's rows. A second failure before a replacement's rows are rebuilt is not
-recoverable (it holds no parity yet).
+since, and a half-done one, are rolled back), the lost ranks' state rows are rebuilt (one XOR-reduce of the
+survivors' rows), and the engine rebuilds its replicated state; the lost ranks' stripes (parity of the others) follow
+in the background while training resumes, done before the next update. Nothing is protected again before the next
+step: the rebuilt rows are the lost rank's rows. A second failure before a replacement's rows are rebuilt, its stripe
+included, is not recoverable (it holds no parity yet).
 
 Call sequence. Every rank (a replacement too, while Seam.joining) builds the keeper right after its engine
 (`build_keeper`); `protect(start_step)` before the loop. Each step: forward and backward, `wait_current()` (False:
 a peer failed, do not update), the optimizer update, and `protect(step + 1)` when `due(step + 1)` (every
 `resilience.protect_every` steps: a rollback redoes at most that many). After a failure: `settle()`,
-`Seam.reconfigure(g + 1)`, then `recover(lost)` on every rank; training resumes at the report's `step`.
+`Seam.reconfigure(g + 1)`, then `recover(lost)` on every rank; training resumes at the report's `step`, and the next
+boundary that protects nothing calls `catch_up()` (the rebuilt ranks' stripes, in the background).
 """
 from __future__ import annotations
 
@@ -74,7 +76,7 @@ class RebuildReport:
     bytes_decoded: int = 0
     """Protected-state bytes rebuilt, over all lost ranks (and the reduced gradients of a roll forward)."""
     seconds: float = 0.0
-    """From the call until every rank's live tensors hold step T and the lost ranks' parity is rebuilt."""
+    """From the call until every rank's live tensors hold step T (the lost ranks' stripes follow in the background)."""
 
 
 def agree_step(usable: dict[int, list[int]], *, lost: set[int]) -> int:
@@ -160,6 +162,8 @@ class ParityKeeper:
         """resilience.roll_forward: the last step's reduced gradients (the seam fills it)."""
         self.roll_forward_fn: Callable[[int, list[tuple[int, torch.Tensor]]], None] | None = None
         """(step, [(engine key, reduced bytes)]): on the lost rank, set the gradients and make the step's update."""
+        self._stripes: tuple[set[int], int] | None = None
+        """(rebuilt ranks, generation): the last rebuild's stripes, which catch_up() or protect() sends."""
         self.rolled_to = -1
         """The boundary the last recovery rolled every rank forward to (-1: it did not): no rank did its work (the
         trainer does it before the next step)."""
@@ -290,7 +294,8 @@ class ParityKeeper:
         self._result = False
         generation = Seam.generation
         flat = FlatState(self.state_fn())  # here, not in the thread: state() may create optimizer state
-        self._thread = threading.Thread(target=self._run_protect, args=(step, generation, flat, step_seconds),
+        stripes, self._stripes = self._stripes, None  # the last rebuild's stripes, not sent yet (catch_up)
+        self._thread = threading.Thread(target=self._run_protect, args=(step, generation, flat, step_seconds, stripes),
                                         daemon=True, name=f"dtk-parity-{step}")
         self._thread.start()
 
@@ -312,10 +317,13 @@ class ParityKeeper:
             self._thread.join()
             self._thread = None
 
-    def _run_protect(self, step: int, generation: int, flat: FlatState, step_s: float) -> None:
+    def _run_protect(self, step: int, generation: int, flat: FlatState, step_s: float,
+                     stripes: tuple[set[int], int] | None) -> None:
         try:
             with Seam.uncounted():
-                self._result = self._protect(step, generation, flat, step_s)
+                # a stripe is the hole the protection's reduce-scatter adds the delta's stripe to: it comes first
+                self._result = ((stripes is None or self._send_stripes(*stripes))
+                                and self._protect(step, generation, flat, step_s))
         except BaseException as e:  # a bug: hand it to the trainer's thread with its traceback
             self._result = e
 
@@ -431,10 +439,12 @@ class ParityKeeper:
         generation = Seam.generation
         lost_set = set(lost)
         is_lost = self.rank in lost_set
-        mine = [self.state_bytes] + ([-1, -1] if is_lost or self.rows is None else self.usable())
         red = self.reduced
         kept = [-1, -1, 0, 0] if is_lost or red is None else [committed, red.sealed, len(red.sizes()), sum(red.sizes())]
         with Seam.uncounted():
+            if self._stripes is not None:
+                self._finish_stripes(lost_set)
+            mine = [self.state_bytes] + ([-1, -1] if is_lost or self.rows is None else self.usable())
             table = self._all_gather(mine + [self.schedule.interval] + kept)
             self._check(generation, "agreeing on the step")
             if is_lost:
@@ -451,7 +461,6 @@ class ParityKeeper:
                 self._rebuild_tier1(lost_set)
             elif tier == 2:
                 self._rebuild_tier2(lost_set)
-                self._rebuild_stripes(lost_set)
             if tier and self.m:  # the lost ranks' tier-2 shards: encoded again from the rows, everywhere
                 parity2 = np.zeros_like(self.parity2)
                 self._tier2_exchange(parity2)
@@ -468,6 +477,7 @@ class ParityKeeper:
             self.base = step
         self._result = True
         self.rolled_to = step + 1 if forward else -1
+        self._stripes = (lost_set, generation) if tier else None
         report = RebuildReport(step=step + forward, rolled_forward=forward, tier=tier, lost=sorted(lost_set),
                                bytes_decoded=sum(self.sizes[r] for r in lost_set) + grads,
                                seconds=time.perf_counter() - t0)
@@ -536,15 +546,64 @@ class ParityKeeper:
                         group=group or self.tier1_group)
 
     def _rebuild_tier1(self, lost: set[int]) -> None:
-        """One XOR-reduce of the rows to the lost member of my group (if it lost one). At the lost member's row s
-        the survivors' rows add up to its chunk for stripe s (holder s adds the stripe, the others their chunks),
-        and at its own row to its stripe: the lost rank gets its whole rows back, parity included."""
+        """XOR-reduces of the rows to the lost member of my group (if it lost one), but for its own row. At the
+        lost member's row s the survivors' rows add up to its chunk for stripe s (holder s adds the stripe, the
+        others their chunks): the lost rank gets its state back. Its own row, its stripe (the sum of the survivors'
+        rows there), is parity only: catch_up() sends it once training has resumed."""
         mine = [r for r in lost if r // self.k == self.group_index]
         if mine:
-            self._reduce_to(mine[0], self.rows)
+            own = mine[0] % self.k
+            for rows in (self.rows[:own], self.rows[own + 1:]):
+                if rows.size:
+                    self._reduce_to(mine[0], rows)
+
+    def catch_up(self) -> None:
+        """At a step boundary with no protection due, on every rank: start sending the ranks rebuilt by the last
+        recovery their stripes, in the background like a protect() (which does it first when it comes sooner). A
+        stripe is parity of the others' state, not needed to train on, and half of what a rebuild sends at k = 2:
+        sent during the rebuild it was 25 ms of ZeRO-1's 53 ms (19 MB state, 2 ranks) on the survivors' critical
+        path, and sent during the redo it slowed the redo as much (2 shared cores). Started after the redo, it
+        overlaps the next step's forward and backward; the next update waits for it (wait_current). Should a
+        failure come first, a rebuilt rank holds no stripe, so it reports no protected step (base -1) and that
+        recovery falls back: "a second failure before a replacement's rows are rebuilt is not recoverable"."""
+        if self._stripes is None or self._thread is not None:
+            return
+        stripes, self._stripes = self._stripes, None
+        self._result = False
+        self._thread = threading.Thread(target=self._run_stripes, args=stripes, daemon=True, name="dtk-parity-stripes")
+        self._thread.start()
+
+    def _run_stripes(self, lost: set[int], generation: int) -> None:
+        try:
+            with Seam.uncounted():
+                self._result = self._send_stripes(lost, generation)
+        except BaseException as e:  # a bug: hand it to the trainer's thread with its traceback
+            self._result = e
+
+    def _send_stripes(self, lost: set[int], generation: int) -> bool:
+        self._rebuild_stripes(lost)
+        if self._failed(generation):
+            self._drop_stripes(lost)
+            return False
+        return True
+
+    def _finish_stripes(self, lost: set[int]) -> None:
+        """recover() with the last rebuild's stripes not sent (no boundary since, or a repair in place right after
+        a rebuild): a parity group that lost no rank since sends them now; in one that did, the rebuilt rank has
+        none. Every member of a group holds the same pending stripes (set by the same recover)."""
+        pending, _ = self._stripes
+        self._stripes = None
+        if self.group_index in {r // self.k for r in lost}:
+            self._drop_stripes(pending)
+        else:
+            self._rebuild_stripes(pending)
+
+    def _drop_stripes(self, lost: set[int]) -> None:
+        if self.rank in lost:
+            self.base = -1  # a rebuilt rank without its stripe: no step of its is protected
 
     def _rebuild_stripes(self, lost: set[int]) -> None:
-        """After tier 2 rebuilt the lost members' data: each one's stripe, the XOR of the others' chunks for it."""
+        """After the lost members' data is rebuilt: each one's stripe, the XOR of the others' chunks for it."""
         for target in sorted(r for r in lost if r // self.k == self.group_index):
             self._reduce_to(target, self.rows[target % self.k])
 

@@ -102,12 +102,21 @@ def _rank(rank, world, port, results, scenario, group_size, tier2, join):
         out["mismatched"] = keeper.mismatched_bytes()
         out["report"] = vars(keeper.recover([2]))
         out["repaired_bit"] = _same(state, _expected(rank, 1))
+        keeper.catch_up()  # the step boundary after a rebuild: rank 2's stripe, in the background
         assert keeper.wait_current()
         if rank == 1:
             for t in state:
                 t.zero_()
         out["report_zeroed"] = vars(keeper.recover([1]))
     _continue(keeper, state, out["report"]["step"], rank, out)
+    if scenario == "corrupt":  # a rank repaired, then its group's next repair before a boundary sent its stripe
+        from dtk.resilience.parity import ParityLost
+
+        keeper.recover([2])
+        try:
+            keeper.recover([1])
+        except ParityLost as e:
+            out["stripe_missing"] = str(e)
     _leave(results, out)
 
 
@@ -222,3 +231,5 @@ def test_flipped_bit_and_zeroed_rank_repaired_in_place():
     for out in got.values():
         assert out["report_zeroed"]["tier"] == 1 and out["report_zeroed"]["step"] == 1
     _check_rebuilt(got, tier=1, step=1)
+    # rank 2's stripe is parity rank 1's rebuild needs: without it, every rank refuses rather than decode garbage
+    assert all("no step boundary is protected on every survivor" in out["stripe_missing"] for out in got.values())
