@@ -191,9 +191,10 @@ def _materialize_from_local(optimizer: torch.optim.Optimizer) -> bool:
         twin = make(groups)  # torch's optimizers take their param groups alone: the groups carry the settings
     except TypeError:  # an optimizer that needs more to be built: the dry step on the DTensors instead
         return False
-    for t in twins.values():
-        t.grad = torch.zeros_like(t)
-    twin.step()
+    if not (type(twin) in (torch.optim.Adam, torch.optim.AdamW) and _materialize_adam(twin)):
+        for t in twins.values():
+            t.grad = torch.zeros_like(t)
+        twin.step()
     made: dict = {}
     for p, t in twins.items():
         state = {}
