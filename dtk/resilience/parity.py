@@ -162,8 +162,9 @@ class ParityKeeper:
         """resilience.roll_forward: the last step's reduced gradients (the seam fills it)."""
         self.roll_forward_fn: Callable[[int, list[tuple[int, torch.Tensor]]], None] | None = None
         """(step, [(engine key, reduced bytes)]): on the lost rank, set the gradients and make the step's update."""
-        self._stripes: tuple[set[int], int] | None = None
-        """(rebuilt ranks, generation): the last rebuild's stripes, which catch_up() or protect() sends."""
+        self._stripes: set[int] | None = None
+        """The ranks the last rebuild gave their state but not yet their stripes, which catch_up() or protect()
+        sends."""
         self.rolled_to = -1
         """The boundary the last recovery rolled every rank forward to (-1: it did not): no rank did its work (the
         trainer does it before the next step)."""
@@ -291,12 +292,25 @@ class ParityKeeper:
         Call on every rank after a committed update when due(step) (and once at the start), never while an update
         runs; `step_seconds` (the last step's) weighs the protection's cost for `protect_every: auto`."""
         self.settle()
-        self._result = False
         generation = Seam.generation
         flat = FlatState(self.state_fn())  # here, not in the thread: state() may create optimizer state
         stripes, self._stripes = self._stripes, None  # the last rebuild's stripes, not sent yet (catch_up)
-        self._thread = threading.Thread(target=self._run_protect, args=(step, generation, flat, step_seconds, stripes),
-                                        daemon=True, name=f"dtk-parity-{step}")
+        # a stripe is the hole the protection's reduce-scatter adds the delta's stripe to: it comes first
+        self._in_background(lambda: ((stripes is None or self._send_stripes(stripes, generation))
+                                     and self._protect(step, generation, flat, step_seconds)), f"dtk-parity-{step}")
+
+    def _in_background(self, work: Callable[[], bool], name: str) -> None:
+        """Run `work` (collectives on the keeper's groups, uncounted) in the keeper's thread; its answer, or its
+        exception (a bug, with its traceback), is what wait_current() hands the trainer."""
+        def run() -> None:
+            try:
+                with Seam.uncounted():
+                    self._result = work()
+            except BaseException as e:
+                self._result = e
+
+        self._result = False
+        self._thread = threading.Thread(target=run, daemon=True, name=name)
         self._thread.start()
 
     def wait_current(self) -> bool:
@@ -316,16 +330,6 @@ class ParityKeeper:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-
-    def _run_protect(self, step: int, generation: int, flat: FlatState, step_s: float,
-                     stripes: tuple[set[int], int] | None) -> None:
-        try:
-            with Seam.uncounted():
-                # a stripe is the hole the protection's reduce-scatter adds the delta's stripe to: it comes first
-                self._result = ((stripes is None or self._send_stripes(*stripes))
-                                and self._protect(step, generation, flat, step_s))
-        except BaseException as e:  # a bug: hand it to the trainer's thread with its traceback
-            self._result = e
 
     def _protect(self, step: int, generation: int, flat: FlatState, step_s: float) -> bool:
         st, t0, cpu0 = self.stats, time.perf_counter(), time.thread_time()
@@ -477,7 +481,7 @@ class ParityKeeper:
             self.base = step
         self._result = True
         self.rolled_to = step + 1 if forward else -1
-        self._stripes = (lost_set, generation) if tier else None
+        self._stripes = lost_set if tier else None
         report = RebuildReport(step=step + forward, rolled_forward=forward, tier=tier, lost=sorted(lost_set),
                                bytes_decoded=sum(self.sizes[r] for r in lost_set) + grads,
                                seconds=time.perf_counter() - t0)
@@ -568,17 +572,8 @@ class ParityKeeper:
         recovery falls back: "a second failure before a replacement's rows are rebuilt is not recoverable"."""
         if self._stripes is None or self._thread is not None:
             return
-        stripes, self._stripes = self._stripes, None
-        self._result = False
-        self._thread = threading.Thread(target=self._run_stripes, args=stripes, daemon=True, name="dtk-parity-stripes")
-        self._thread.start()
-
-    def _run_stripes(self, lost: set[int], generation: int) -> None:
-        try:
-            with Seam.uncounted():
-                self._result = self._send_stripes(lost, generation)
-        except BaseException as e:  # a bug: hand it to the trainer's thread with its traceback
-            self._result = e
+        stripes, self._stripes, generation = self._stripes, None, Seam.generation
+        self._in_background(lambda: self._send_stripes(stripes, generation), "dtk-parity-stripes")
 
     def _send_stripes(self, lost: set[int], generation: int) -> bool:
         self._rebuild_stripes(lost)
@@ -591,8 +586,7 @@ class ParityKeeper:
         """recover() with the last rebuild's stripes not sent (no boundary since, or a repair in place right after
         a rebuild): a parity group that lost no rank since sends them now; in one that did, the rebuilt rank has
         none. Every member of a group holds the same pending stripes (set by the same recover)."""
-        pending, _ = self._stripes
-        self._stripes = None
+        pending, self._stripes = self._stripes, None
         if self.group_index in {r // self.k for r in lost}:
             self._drop_stripes(pending)
         else:

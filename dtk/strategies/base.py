@@ -134,7 +134,7 @@ def materialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         return
     if any(isinstance(p, DTensor) for p in params) and _materialize_from_local(optimizer):
         return
-    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and _materialize_adam(optimizer):
+    if _materialize_adam(optimizer):
         return
     saved = [p.detach().clone() for p in params]
     for p in params:
@@ -155,9 +155,9 @@ def _materialize_adam(optimizer: torch.optim.Optimizer) -> bool:
     step allocated, computed and zeroed three state-sized temporaries, 26 ms of a promoted ZeRO-1 shadow's 50 ms
     between its promotion and the regroup, for the 3.2M GPT, while the survivors waited (page faults and the
     update). Each parameter is handed an uninitialised gradient for the call (no memory touched). False (nothing
-    made) where torch's Adam no longer has that method."""
+    made) for another optimizer, or where torch's Adam no longer has that method."""
     init = getattr(optimizer, "_init_group", None)
-    if init is None:
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or init is None:
         return False
     for group in optimizer.param_groups:
         fresh = [p for p in group["params"] if not optimizer.state.get(p)]
@@ -191,7 +191,7 @@ def _materialize_from_local(optimizer: torch.optim.Optimizer) -> bool:
         twin = make(groups)  # torch's optimizers take their param groups alone: the groups carry the settings
     except TypeError:  # an optimizer that needs more to be built: the dry step on the DTensors instead
         return False
-    if not (type(twin) in (torch.optim.Adam, torch.optim.AdamW) and _materialize_adam(twin)):
+    if not _materialize_adam(twin):
         for t in twins.values():
             t.grad = torch.zeros_like(t)
         twin.step()
