@@ -340,9 +340,12 @@ def _semantic_lines(r: Recipe) -> list[str]:
             lines.append("data.path: missing; data 'text' needs a text file")
         elif not Path(r.data.path).is_file():
             lines.append(f"data.path: got {r.data.path!r}; no such file")
-    if r.resilience.roll_forward and r.strategy.name not in ("ddp", "fsdp"):
+    if r.resilience.roll_forward and r.strategy.name not in ("ddp", "fsdp", "zero3"):
         lines.append(f"resilience.roll_forward: not offered for strategy.name {r.strategy.name!r}; accepted "
-                     f"strategies: fsdp (ddp redoes nothing already)")
+                     f"strategies: fsdp, zero3 (ddp redoes nothing already)")
+    elif r.resilience.roll_forward and r.strategy.name == "zero3" and r.strategy.offload_optimizer:
+        lines.append("resilience.roll_forward: not offered with strategy.offload_optimizer true (the update runs "
+                     "from the offloaded gradients); accepted: strategy.offload_optimizer false")
     elif r.resilience.roll_forward and r.optimizer.grad_clip:
         lines.append(f"resilience.roll_forward: not offered with optimizer.grad_clip {r.optimizer.grad_clip} (a "
                      f"clipped update needs every rank's norm); accepted: optimizer.grad_clip 0")

@@ -160,6 +160,8 @@ class Trainer:
         share = self.engine.grad_square_share()  # None: the engine's update measures the norm
         rows = self._gather([loss.item(), float(peak_memory_bytes(self.device, self.base_rss)), float(self.build_peak),
                              0.0 if share is None else share])
+        if share is not None and hasattr(self.engine, "note_grad_square_total"):
+            self.engine.note_grad_square_total(float(rows[:, 3].sum()))
         if Seam.failure is not None:
             self.engine.discard_step()
             return None

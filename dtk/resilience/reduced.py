@@ -81,19 +81,35 @@ class ReducedGrads:
             self._entries.append((output.untyped_storage().data_ptr(), xor_others(rows, self.rank).view(torch.uint8),
                                   own))
 
-    def seal(self, step: int, keys: dict[int, int] | None) -> None:
+    def seal(self, step: int, keys: dict[int, int] | list[list[tuple[int, int]]] | None) -> None:
         """After the step's last backward: `keys` maps the storage address of each of the engine's reduced outputs to
-        the engine's key for it; None when the engine cannot make its update alone (e.g. clipping needs a norm)."""
+        the engine's key for it; or lists, for each reduce-scatter of the step in order, the (key, bytes) of the
+        pieces its output holds back to back (each piece becomes an entry: ZeRO-3's parameters of a bucket); None
+        when the engine cannot make its update alone (e.g. clipping needs a norm)."""
         with self._lock:
             self._recording = -1
             if self._fresh:  # none of this step's reduce-scatters completed (a peer failed): the last record stands
                 self._fresh = False
                 return
-            ptrs = [p for p, _, _ in self._entries]
-            if keys is None or self.step != step or sorted(ptrs) != sorted(keys):
-                self.sealed, self.order = -1, []
+            self.sealed, self.order = -1, []
+            if keys is None or self.step != step:
                 return
-            self.order, self.sealed = [keys[p] for p in ptrs], step
+            if isinstance(keys, dict):
+                ptrs = [p for p, _, _ in self._entries]
+                if sorted(ptrs) == sorted(keys):
+                    self.order, self.sealed = [keys[p] for p in ptrs], step
+                return
+            if len(keys) != len(self._entries) or any(sum(n for _, n in pieces) != z.numel()
+                                                     for pieces, (_, z, _) in zip(keys, self._entries)):
+                return
+            entries, order = [], []
+            for pieces, (ptr, z, own) in zip(keys, self._entries):
+                at = 0
+                for key, n in pieces:
+                    entries.append((ptr, z[at:at + n], None if own is None else own[at:at + n]))
+                    order.append(key)
+                    at += n
+            self._entries, self.order, self.sealed = entries, order, step
 
     def sizes(self) -> list[int]:
         with self._lock:

@@ -67,6 +67,8 @@ class Engine(Protocol):
         """The ordered tensors that make this rank this rank: parameters (or shards), optimizer state, counters.
         They are the live tensors: writing into them changes the engine."""
 
+    # Optional: note_grad_square_total(total), the sum of the ranks' grad_square_share, before the update that uses
+    # it as its norm (ZeRO-3 with roll forward, whose update then needs no collective).
     # Optional: protected_state() -> list[Tensor], the part of local_state() that no peer can make again (what
     # parity protects; default: all of it), and rebuild_replicated(), collective, which makes the rest again from it.
 
@@ -83,11 +85,14 @@ class Engine(Protocol):
 
 
 class RollsForward(Engine, Protocol):
-    """An engine whose update one rank can make alone from its reduced gradients (resilience.roll_forward: FSDP2)."""
+    """An engine whose update one rank can make alone from its reduced gradients (resilience.roll_forward: FSDP2,
+    ZeRO-3)."""
 
-    def reduced_keys(self) -> dict[int, int] | None:
+    def reduced_keys(self) -> dict[int, int] | list[list[tuple[int, int]]] | None:
         """After the last micro-step: the storage address of each reduce-scatter output the gradients view -> the
-        engine's key for it (the same on every rank); None when they cannot be put back from those outputs."""
+        engine's key for it (the same on every rank), or, for each reduce-scatter of the step in order, the (key,
+        bytes) of the pieces its output holds (dtk.resilience.reduced.ReducedGrads.seal); None when they cannot be
+        put back from those outputs."""
 
     def update_alone(self, chunks: list[tuple[int, torch.Tensor]]) -> None:
         """This rank's update (the optimizer's step at the learning rate set) from (key, that output's bytes) pairs,

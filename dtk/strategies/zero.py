@@ -3,6 +3,7 @@ gradient clipping is off unless the recipe asks (DeepSpeed clips at 1.0 by defau
 from __future__ import annotations
 
 import logging
+import math
 import os
 
 import torch
@@ -54,6 +55,13 @@ class ZeroEngine:
             _number_modules_from_zero()
         self.engine, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
         self.module = self.engine.module
+        self._buckets: list[list[tuple[int, int]]] | None = None
+        """resilience.roll_forward (ZeRO-3): each reduce-scatter of this step, as (ds_id, bytes) of the parameters
+        whose partitions lie back to back in its output; None: not recorded."""
+        self._comm_dtypes: set[torch.dtype] = set()
+        self._square_total: float | None = None
+        if stage == 3 and r.resilience.roll_forward:
+            self._arm_roll_forward()
 
     def forward_backward(self, x, y, *, last_micro: bool) -> torch.Tensor:
         if self.bf16 and x.is_floating_point():
@@ -66,8 +74,12 @@ class ZeroEngine:
 
     def optimizer_step(self) -> None:
         self.engine.step()
+        self._square_total = None
 
     def discard_step(self) -> None:
+        self._square_total = None
+        if self._buckets is not None:
+            self._buckets = []
         self.engine.zero_grad()
         # ZeRO keeps reduced gradients in its own partitions and accumulates into them after the first micro-step:
         # reset that too, and the engine's micro-step count to the step's start, or the redone step adds to the
@@ -88,7 +100,14 @@ class ZeroEngine:
         return self.optimizer.param_groups  # DeepSpeed's ZeRO optimizer hands out its torch optimizer's groups
 
     def grad_square_share(self) -> float | None:
-        return None  # the gradients sit in DeepSpeed's partitions; its step measures the norm
+        if self._buckets is None:
+            return None  # the gradients sit in DeepSpeed's partitions; its step measures the norm
+        grads = [g for part in self.optimizer.averaged_gradients.values() if part for g in part]
+        return float(torch.stack([g.float().square().sum() for g in grads]).sum()) if grads else 0.0
+
+    def note_grad_square_total(self, total: float) -> None:
+        """The trainer's sum of every rank's grad_square_share: the norm this step's update uses."""
+        self._square_total = total
 
     def grad_norm(self) -> float | None:
         norm = self.engine.get_global_grad_norm()
@@ -136,6 +155,76 @@ class ZeroEngine:
                                  allgather_bucket_size=opt.allgather_bucket_size)
             for i in range(len(opt.bit16_groups)):
                 opt._update_model_bit16_weights(i)
+
+    # -- resilience.roll_forward (ZeRO-3): a lost rank's update, made again from its reduced gradients --
+    def _arm_roll_forward(self) -> None:
+        """ZeRO-3's update needs no peer but for DeepSpeed's all-reduce of the gradient norm, which only clipping
+        (refused with roll forward) and its non-finite check use: that norm becomes the trainer's gathered one
+        (grad_square_share), so the survivors of a rank lost in its update commit the update. Every reduce-scatter's
+        parameters are recorded, for seal (reduced_keys). Both hooks are on this engine's optimizer only."""
+        opt = self.optimizer
+        scatter = opt._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads  # (private: the hook a bucket passes)
+        own_norms = opt._get_norm_groups
+        self._buckets = []
+
+        def recorded(params, communication_data_type):
+            if self._buckets is not None:  # the output holds each parameter's padded partition, in this order
+                size = torch.empty((), dtype=communication_data_type).element_size()
+                self._buckets.append([(p.ds_id, p.partition_numel() * size) for p in params])
+                self._comm_dtypes.add(communication_data_type)
+            return scatter(params, communication_data_type)
+
+        def gathered_norms():
+            if self._square_total is None:  # no gathered norm this step: DeepSpeed's own (a collective)
+                return own_norms()
+            return [torch.tensor(math.sqrt(self._square_total), dtype=torch.float32) * opt.loss_scale]
+
+        opt._DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads = recorded
+        opt._get_norm_groups = gathered_norms
+
+    def reduced_keys(self) -> list[list[tuple[int, int]]] | None:
+        """After the step's last backward: this step's reduce-scatters, each as (ds_id, bytes) of the partitions
+        its output holds back to back (the same on every rank); None when the update cannot be made from them."""
+        buckets, self._buckets = self._buckets, ([] if self._buckets is not None else None)
+        dtypes, self._comm_dtypes = self._comm_dtypes, set()
+        opt = self.optimizer
+        # (reduced in the dtype they accumulate in, and not rescaled after: the bytes are the gradients as kept)
+        if (buckets is None or opt.offload_optimizer or opt.gradient_predivide_factor != 1.0
+                or dtypes - {opt.gradient_accumulation_dtype}):
+            return None
+        return buckets
+
+    def update_alone(self, chunks: list[tuple[int, torch.Tensor]]) -> None:
+        """This rank's update from its reduced partitions (`chunks`: (ds_id, the padded partition's bytes), in
+        reduce order), with no peer: DeepSpeed's own steps for each sub-group (partition_grads' copy, or add on a
+        later micro-step; the flat fp32 gradient; the unscale; the torch optimizer; the copy to the model's
+        partitions), less the norm, which only clipping uses."""
+        opt = self.optimizer
+        buffers = opt._DeepSpeedZeroOptimizer_Stage3__param_id_to_grad_partition
+        params = {p.ds_id: p for group in opt.fp16_groups for p in group}
+        written: set[int] = set()
+        with torch.no_grad():
+            for ds_id, raw in chunks:
+                p = params[ds_id]
+                part = p.partition_numel()
+                real = max(0, min(part, p.ds_numel - part * self.rank))  # the last ranks' partitions hold padding
+                if real == 0:
+                    continue
+                grad = raw.view(opt.gradient_accumulation_dtype)[:real]
+                target = buffers[ds_id].narrow(0, 0, real)
+                target.add_(grad) if ds_id in written else target.copy_(grad)
+                written.add(ds_id)
+            opt._pre_step()
+            for i, group in enumerate(opt.fp16_groups):
+                opt.averaged_gradients[i] = [buffers[p.ds_id] if p.requires_grad else torch.zeros_like(p.ds_tensor)
+                                             for p in group]
+            names: set = set()
+            for i in range(len(opt.fp16_groups)):
+                opt._prepare_sub_group(i, names)
+                opt.unscale_and_clip_grads(i, None)
+                opt._optimizer_step(i)
+                opt._reassign_or_swap_out_partitioned_parameters(i)
+                opt._release_sub_group(i, names)
 
     def match_running_layout(self, x, y) -> None:
         pass  # a joining ZeRO-3 engine starts with no parameter trace; so do the others after a failure (discard_step)

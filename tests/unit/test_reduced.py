@@ -61,11 +61,33 @@ def test_the_recipe_offers_roll_forward_where_one_rank_can_make_its_update():
     from dtk.errors import DtkError
 
     assert recipe.build({}, ["strategy.name=fsdp", "resilience.roll_forward=true"]).resilience.roll_forward
-    for extra, line in ((["strategy.name=zero3"], "resilience.roll_forward: not offered for strategy.name 'zero3'; "
-                                                  "accepted strategies: fsdp (ddp redoes nothing already)"),
+    for extra, line in ((["strategy.name=zero2"], "resilience.roll_forward: not offered for strategy.name 'zero2'; "
+                                                  "accepted strategies: fsdp, zero3 (ddp redoes nothing already)"),
                         (["strategy.name=fsdp", "optimizer.grad_clip=1"],
                          "resilience.roll_forward: not offered with optimizer.grad_clip 1.0 (a clipped update needs "
                          "every rank's norm); accepted: optimizer.grad_clip 0")):
         with pytest.raises(DtkError) as e:
             recipe.build({}, [*extra, "resilience.roll_forward=true"])
         assert e.value.lines == [line]
+
+
+def test_a_reduce_scatter_of_several_parameters_is_kept_as_one_piece_each():
+    """ZeRO-3 reduces a bucket of parameters in one reduce-scatter: the engine names the pieces of its output
+    (key, bytes), and each becomes an entry the lost rank gets back by its key."""
+    world, calls = 3, [torch.randn(3, 12)]  # one bucket: a parameter of 4 elements' shard, then one of 8
+    ranks = []
+    for rank in range(world):
+        kept = ReducedGrads(rank=rank, world=world)
+        kept.begin(2)
+        kept.add(calls[0], torch.empty(12))
+        kept.seal(2, [[(5, 16), (9, 32)]])
+        ranks.append(kept)
+    assert ranks[0].sealed == 2 and ranks[0].order == [5, 9] and ranks[0].sizes() == [16, 32]
+    survivors = [0, 2]
+    total = ranks[0].contribution(survivors=survivors).bitwise_xor_(ranks[2].contribution(survivors=survivors))
+    assert torch.equal(total, calls[0][1].view(torch.uint8))
+    wrong = ReducedGrads(rank=0, world=world)
+    wrong.begin(2)
+    wrong.add(calls[0], torch.empty(12))
+    wrong.seal(2, [[(5, 16), (9, 16)]])  # pieces that do not make up the output
+    assert wrong.sealed == -1 and wrong.order == []
