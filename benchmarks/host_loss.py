@@ -3,10 +3,12 @@ ranks: in-place recovery on the surviving host against the checkpoint-restart ba
 failure, side by side. Downtime runs from the host's loss to the completion, after recovery, of the step it
 interrupted; the in-place side includes the time node 0 takes to notice the silent host.
 
-    python benchmarks/host_loss.py [--reps 2] [--strategies ddp,zero2] [--at 25] [--every 10]
+    python benchmarks/host_loss.py [--reps 2] [--strategies ddp,zero2] [--at 25] [--every 10] [--phase forward]
 
 The 3.2M-parameter GPT of the other recovery benchmarks; checkpoint every `--every` steps, host 1 lost at step
-`--at`. Sharded strategies keep parity per host with one Reed-Solomon shard across the hosts (tier 2), so the lost
+`--at`, in phase `--phase` (forward: at the step's start, while the last boundary's protection is still being sent,
+the worst case for a sharded strategy; optimizer: before the rank's update, after the step's gradients were
+reduced). Sharded strategies keep parity per host with one Reed-Solomon shard across the hosts (tier 2), so the lost
 host's shards come back from the other host. Needs root (network namespaces). Repetitions alternate the order.
 """
 from __future__ import annotations
@@ -28,13 +30,13 @@ from recovery import RunFailed, _run  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results"
 
 
-def run_host_loss(strategy: str, mode: str, *, at: int, every: int, workdir: Path) -> dict:
+def run_host_loss(strategy: str, mode: str, *, at: int, every: int, phase: str, workdir: Path) -> dict:
     run_dir = workdir / f"{strategy}-{mode}-{time.monotonic_ns()}"
     layout = [f"resilience.parity_group={NPROC}", "resilience.parity_tier2=1"] if strategy != "ddp" else []
     cmd = [sys.executable, "-m", "dtk.cli", "train", str(ROOT / "recipes" / "quickstart.yaml"), *dtk_overrides(),
            f"strategy.name={strategy}", f"training.steps={at + 1}", f"resilience.mode={mode}",
            f"resilience.shadows={NPROC}", *layout, f"checkpoint.every={every}", f"output.dir={run_dir}",
-           "--testbed", "2", "--fault", f"kill-host:host=1,step={at}", "--no-progress"]
+           "--testbed", "2", "--fault", f"kill-host:host=1,step={at},phase={phase}", "--no-progress"]
     _run(cmd, what=f"dtk {strategy} host loss {mode}")
     summary = json.loads((run_dir / "summary.json").read_text())
     failures = summary["failures"]
@@ -42,7 +44,8 @@ def run_host_loss(strategy: str, mode: str, *, at: int, every: int, workdir: Pat
         raise RunFailed(f"{strategy} {mode}: expected ranks {NPROC} and {NPROC + 1} lost with host 1: {failures}")
     f = max(failures, key=lambda f: f["downtime_s"])
     return {"downtime_s": f["downtime_s"], "steps_lost": f["steps_lost"], "breakdown_s": f.get("breakdown_s", {}),
-            "node_silent_s": f.get("node_silent_s"), "rebuilt_from": f.get("rebuilt_from"),
+            "node_silent_s": f.get("node_silent_s"), "node_refused": f.get("node_refused"),
+            "rebuilt_from": f.get("rebuilt_from"),
             "replacements": [(r["rank"], r["node"], r["replacement"]) for r in f.get("replacements", [])],
             "final_loss": summary["final_loss"]}
 
@@ -53,6 +56,8 @@ def main() -> None:
     p.add_argument("--strategies", default="ddp,zero2")
     p.add_argument("--at", type=int, default=25, help="the step at which host 1 is lost")
     p.add_argument("--every", type=int, default=10, help="checkpoint.every (both sides write checkpoints)")
+    p.add_argument("--phase", default="forward", choices=["forward", "backward", "optimizer"],
+                   help="where in step --at the host is lost")
     p.add_argument("--out", default=str(RESULTS / "host_loss.json"))
     args = p.parse_args()
     t0 = time.time()
@@ -62,7 +67,8 @@ def main() -> None:
             runs: dict[str, list] = {"checkpoint": [], "inplace": []}
             for rep in range(args.reps):
                 for mode in (("checkpoint", "inplace") if rep % 2 == 0 else ("inplace", "checkpoint")):
-                    runs[mode].append(run_host_loss(strategy, mode, at=args.at, every=args.every, workdir=Path(tmp)))
+                    runs[mode].append(run_host_loss(strategy, mode, at=args.at, every=args.every, phase=args.phase,
+                                                      workdir=Path(tmp)))
                     print(f"  {strategy} {mode} rep {rep + 1}: downtime {runs[mode][-1]['downtime_s']:.2f}s "
                           f"({time.time() - t0:.0f}s in)", flush=True)
             med = {k: statistics.median(r["downtime_s"] for r in v) for k, v in runs.items()}

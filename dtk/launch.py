@@ -221,10 +221,11 @@ def launch(recipe: recipes.Recipe, *, recipe_path: str | None, topology: Topolog
     local = LocalView(processes=host, state=state, run_dir=run_dir)
     role = node_role(nnodes=topology.nnodes, node=node, mode=recipe.resilience.mode, nproc=recipe.world.nproc,
                      local=local, state=state, run_store=run_store)
-    # node 0 maps the address a survivor's broken connection names to the node lost (several nodes)
+    # node 0 maps the address a survivor's broken connection names to the node lost, and calls its line (several
+    # nodes)
     addresses = own_addresses() if topology.nnodes > 1 else []
     run_store.set(keys.joined(node), json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                                 "addresses": addresses}))
+                                                 "addresses": addresses, "line": role.line_port}))
     board = faults.FaultBoard(run_store=run_store, run_dir=run_dir, world=world, nnodes=topology.nnodes,
                               schedule=list(fault_schedule or []), schedule_kind=schedule_kind,
                               steps=recipe.training.steps, mode=recipe.resilience.mode,

@@ -86,6 +86,8 @@ class FailureRecord:
     node_silent_s: float | None = None
     node_address: str | None = None
     """The lost node's address a survivor's broken connection named (detected by "connection error")."""
+    node_refused: bool | None = None
+    """Its launcher's line refused node 0's call (dtk.resilience.nodes.NodeLine): lost with no silence waited for."""
     hang_detected_at: float | None = None
     in_place: InPlaceFigures | None = None
     restart: CheckpointRestart | None = None
@@ -173,7 +175,7 @@ def describe_failure(*, rank: int, code: int | None, t_detect: float, attempt: i
         record.node_lost = lost_node
         if node_loss is not None:
             record.detected_by, record.node_silent_s = node_loss.detected_by, node_loss.silent_s
-            record.node_address = node_loss.address
+            record.node_address, record.node_refused = node_loss.address, node_loss.refused
     if code == CORRUPT_EXIT:
         record.detected_by = "checksum"
     if hung_at is not None:

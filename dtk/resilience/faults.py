@@ -37,7 +37,7 @@ FAULTS: dict[str, str] = {
              "under the heartbeat timeout, or it is taken for hung",
     "corrupt": "flip one bit in one tensor of the rank's local state (caught by the state checksum)",
     "kill-host": "more than one host (--testbed H, --nnodes N): every process dtk runs on a host dies at once (its "
-                 "launcher, ranks and shadows; as when the machine goes down): kill-host:host=1,step=5",
+                 "launcher, ranks and shadows; as when the machine goes down): kill-host:host=1,step=5[,phase=P]",
     "congest": "test bed only (--testbed H): from step S shape a host's link (host=I) or one path (pair=I-J) to "
                "rate=R: congest:pair=0-1,rate=200mbit,step=5",
 }
@@ -86,7 +86,7 @@ def parse(spec: str, *, world: int, fault_id: str, flag: str = "--fault", hosts:
                            "(dtk train, dtk compare; dtk bench comm --testbed N --congest ...)")
         return congestion
     fields: dict[str, str] = {}
-    keys = ("host", "rank", "step") if kind == "kill-host" else ("rank", "step", "phase", "factor", "seconds")
+    keys = ("host", "rank", "step", "phase") if kind == "kill-host" else ("rank", "step", "phase", "factor", "seconds")
     for item in filter(None, rest.split(",")):
         key, sep, value = item.partition("=")
         if not sep or key not in keys:

@@ -9,6 +9,7 @@ of a lost node is replaced on a surviving node (the one that hosts the fewest ra
 from __future__ import annotations
 
 import json
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,6 +35,8 @@ NODE_BROKEN_S = 0.3
 live node whose rank died keeps beating, and reports the death within its 20 ms poll. On a loaded machine the
 silence asked for grows with the node's own record: BROKEN_GAPS x the longest gap between two of its beats."""
 BROKEN_GAPS = 1.5
+RING_TIMEOUT_S = 0.1
+"""How long node 0 waits for a named node's line to answer or refuse (a refusal comes back in one round trip)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +49,47 @@ class NodeLoss:
     """"connection error" (a survivor's connection to it broke, and it fell silent) or "node heartbeat" (silence)."""
     address: str | None = None
     """The node's address the broken connection named."""
+    refused: bool = False
+    """Its launcher's line refused node 0's call (NodeLine): its process is gone, no silence was waited for."""
+
+
+class NodeLine:
+    """A launcher on node k > 0 listens on a port of its own, published when it joins, so that node 0, told by a
+    survivor's broken connection that the node's processes may be gone, can call it: a refused call means the
+    launcher's process is gone while its host still answers (the node is lost, with no silence to wait for); an
+    answer means it lives, and reports its own ranks' deaths; no answer (the host down, or cut off) leaves it to
+    the silence. The launcher answers at its poll (`answer`): a live one never refuses."""
+
+    def __init__(self):
+        if socket.has_dualstack_ipv6():
+            self.sock = socket.create_server(("", 0), family=socket.AF_INET6, dualstack_ipv6=True, backlog=16)
+        else:
+            self.sock = socket.create_server(("", 0), backlog=16)
+        self.sock.setblocking(False)
+        self.port: int = self.sock.getsockname()[1]
+
+    def answer(self) -> None:
+        """Take the calls waiting (each is closed at once: being answered is the whole message)."""
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def call(address: str, port: int, *, timeout_s: float = RING_TIMEOUT_S) -> bool | None:
+    """Call a node's line at `address`: True it answered, False it refused (nothing listens there), None no word."""
+    try:
+        with socket.create_connection((address, port), timeout=timeout_s):
+            return True
+    except ConnectionRefusedError:
+        return False
+    except OSError:  # timed out, unreachable: the host itself may be gone, or cut off
+        return None
 
 
 class NodeBeat:
@@ -53,10 +97,13 @@ class NodeBeat:
 
     def __init__(self, *, run_store, node: int):
         self.store, self.node = run_store, node
+        self.line = NodeLine()
         self._next = 0.0
 
     def beat(self) -> str | None:
-        """Beat when due; returns what node 0 said when it declared this node lost (then the node must stop)."""
+        """Beat when due (and answer node 0's calls); returns what node 0 said when it declared this node lost (then
+        the node must stop)."""
+        self.line.answer()
         now = time.monotonic()
         if now < self._next:
             return None
@@ -70,7 +117,8 @@ class NodeBeat:
 class NodeWatch:
     """Node 0: the nodes whose launcher stopped beating (those that left at the end excepted): for NODE_SILENT_S,
     or for less when the ranks' collectives say a peer is gone (NODE_SUSPECT_S) or name the node's address in a
-    broken connection (NODE_BROKEN_S, or more for a node seen to beat irregularly)."""
+    broken connection (NODE_BROKEN_S, or more for a node seen to beat irregularly); a node named so whose line
+    refuses node 0's call (NodeLine) is lost at once."""
 
     def __init__(self, *, run_store, nnodes: int):
         self.store, self.nnodes = run_store, nnodes
@@ -79,6 +127,10 @@ class NodeWatch:
         """node -> the longest time between two of its beats seen so far (its launcher alive)"""
         self.lost: dict[int, NodeLoss] = {}
         self._addresses: dict[str, int] | None = None
+        self._lines: dict[int, int] = {}
+        """node -> the port of its launcher's line (NodeLine), from its joined record"""
+        self._called: dict[int, float] = {}
+        """node -> when node 0 last called its line (once per NODE_BEAT_S while it is named)"""
         self._unknown: set[str] = set()
         self._next = 0.0
 
@@ -106,7 +158,11 @@ class NodeWatch:
                 self.seen[node] = (beats, now)
                 continue
             quiet = now - since
-            if node in broken and quiet > self.broken_wait(node) and active(node):
+            if node in broken and active(node) and self._refuses(node, broken[node], now):
+                loss = NodeLoss(silent_s=quiet, detected_by="connection error", address=broken[node], refused=True)
+                said = (f"a rank's connection to this node ({broken[node]}) broke and this node's launcher did not "
+                        f"answer node 0's call (port {self._lines[node]} refused it): node 0 took the node for lost")
+            elif node in broken and quiet > self.broken_wait(node) and active(node):
                 loss = NodeLoss(silent_s=quiet, detected_by="connection error", address=broken[node])
                 said = (f"a rank's connection to this node ({broken[node]}) broke and node 0 heard nothing from "
                         f"this node's launcher for {quiet:.1f}s: it took the node for lost")
@@ -120,6 +176,14 @@ class NodeWatch:
             out.append(node)
         return out
 
+    def _refuses(self, node: int, address: str, now: float) -> bool:
+        """Call the line of `node` (named at `address`) when due: whether it refused (its launcher is gone)."""
+        port = self._lines.get(node)
+        if port is None or now - self._called.get(node, -NODE_BEAT_S) < NODE_BEAT_S:
+            return False
+        self._called[node] = now
+        return call(address, port) is False
+
     def broken_wait(self, node: int) -> float:
         """The silence after which a node named by a broken connection is lost."""
         return min(NODE_SUSPECT_S, max(NODE_BROKEN_S, BROKEN_GAPS * self.longest_gap.get(node, 0.0)))
@@ -132,8 +196,12 @@ class NodeWatch:
             for node in range(1, self.nnodes):
                 joined = keys.read_json(self.store, keys.joined(node)) if self.store.check([keys.joined(node)]) \
                     else None
-                for a in (joined or {}).get("addresses", []) if isinstance(joined, dict) else []:
+                if not isinstance(joined, dict):
+                    continue
+                for a in joined.get("addresses", []):
                     owners.setdefault(a, set()).add(node)
+                if isinstance(joined.get("line"), int):
+                    self._lines[node] = joined["line"]
             self._addresses = {a: min(k) for a, k in owners.items() if len(k) == 1}
         return self._addresses.get(address)
 

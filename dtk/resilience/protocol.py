@@ -57,8 +57,9 @@ def applied(fault_id: str) -> str:
 
 
 def joined(node: int) -> str:
-    """{host, pid} of node `node`'s launcher. Written by that launcher once it reached the store; read by node 0
-    (the nodes that never joined) and its NodeWatch (a node is watched once joined)."""
+    """{host, pid, addresses, line} of node `node`'s launcher (line: the port of its NodeLine). Written by that
+    launcher once it reached the store; read by node 0 (the nodes that never joined) and its NodeWatch (a node is
+    watched once joined; a node named by a broken connection is called on its line)."""
     return f"joined/{node}"
 
 

@@ -84,6 +84,8 @@ class SingleNode:
 
     coordinates = False
     reports = False
+    line_port: int | None = None
+    """The port of this launcher's line (dtk.resilience.nodes.NodeLine): only a node k > 0 of several has one."""
 
     def __init__(self, *, view: RunView, nproc: int):
         self.view, self.nproc = view, nproc
@@ -161,6 +163,7 @@ class LeadNode:
     (`coordinator`), is the RunView of the whole run: every recovery is node 0's."""
 
     reports = False
+    line_port: int | None = None
 
     def __init__(self, *, local: RunView, state: RunState, run_store: dist.Store, nnodes: int, nproc: int,
                  coordinate: bool):
@@ -263,6 +266,7 @@ class FollowerNode:
         self.view, self.nproc = view, nproc
         self.members = _Membership(run_store=run_store, node=node, nnodes=nnodes)
         self.beat = NodeBeat(run_store=run_store, node=node)
+        self.line_port: int | None = self.beat.line.port
         self.reporter = NodeReporter(run_store=run_store, node=node) if report else None
         self.reports = self.reporter is not None
 
@@ -318,6 +322,7 @@ class FollowerNode:
 
     def leave(self, code: int, *, fenced: bool, messages: list[str], failures: list[FailureRecord]) -> None:
         self.members.say_stop_and_leave(code, fenced=fenced, messages=messages, failures=failures)
+        self.beat.line.close()
 
 
 def node_role(*, nnodes: int, node: int, mode: str, nproc: int, local: LocalView, state: RunState,

@@ -425,6 +425,7 @@ class Supervisor:
         losses = [loss for k in nodes if (loss := self.role.loss(k)) is not None]
         silent = max(loss.silent_s for loss in losses)
         broke = ", and a rank's connection to it broke" if any(loss.address for loss in losses) else ""
+        broke += " and its launcher's line refused node 0's call" if any(loss.refused for loss in losses) else ""
         t_detect = time.time()
         records = [self._describe(q, code=None, t_detect=t_detect) for k in nodes for q in self.role.ranks_of(k)]
         self._stop(records, f"error: {who} went silent (its launcher was not heard for {silent:.1f}s{broke}: the host "

@@ -163,8 +163,9 @@ def test_a_host_killed_with_its_launcher_and_shadows_is_rebuilt_on_the_other_hos
     assert sorted(by_rank) == [2, 3] and (by_rank[2]["fault"], by_rank[3]["fault"]) == ("kill-host", "host lost")
     for f in by_rank.values():
         assert f["node_lost"] == 1 and f["exit"] == "lost with node 1"
-        # the survivors' connections to host 1 broke: node 0 did not wait for a second of its launcher's silence
-        assert f["detected_by"] == "connection error" and f["node_silent_s"] < nodes.NODE_SUSPECT_S
+        # the survivors' connections to host 1 broke and its launcher's line refused node 0's call: no silence waited
+        assert f["detected_by"] == "connection error" and f["node_refused"] is True
+        assert f["node_silent_s"] < nodes.NODE_SUSPECT_S
         assert f["rebuilt_from"] == "parity tier 2" and f["steps_lost"] <= 1 and f["survivors"] == [0, 1]
         assert {(r["rank"], r["node"], r["moved_from_node"], r["replacement"]) for r in f["replacements"]} == {
             (2, 0, 1, "shadow"), (3, 0, 1, "shadow")}
