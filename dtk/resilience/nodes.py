@@ -9,6 +9,7 @@ of a lost node is replaced on a surviving node (the one that hosts the fewest ra
 from __future__ import annotations
 
 import json
+import select
 import socket
 import time
 from dataclasses import dataclass
@@ -36,7 +37,7 @@ live node whose rank died keeps beating, and reports the death within its 20 ms 
 silence asked for grows with the node's own record: BROKEN_GAPS x the longest gap between two of its beats."""
 BROKEN_GAPS = 1.5
 RING_TIMEOUT_S = 0.1
-"""How long node 0 waits for a named node's line to answer or refuse (a refusal comes back in one round trip)."""
+"""How long node 0 waits for a node's line to answer or refuse (a refusal comes back in one round trip)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,14 +52,17 @@ class NodeLoss:
     """The node's address the broken connection named."""
     refused: bool = False
     """Its launcher's line refused node 0's call (NodeLine): its process is gone, no silence was waited for."""
+    line_dropped: bool = False
+    """Node 0's held line to it was closed from its end first (before any rank's broken connection counted)."""
 
 
 class NodeLine:
-    """A launcher on node k > 0 listens on a port of its own, published when it joins, so that node 0, told by a
-    survivor's broken connection that the node's processes may be gone, can call it: a refused call means the
-    launcher's process is gone while its host still answers (the node is lost, with no silence to wait for); an
-    answer means it lives, and reports its own ranks' deaths; no answer (the host down, or cut off) leaves it to
-    the silence. The launcher answers at its poll (`answer`): a live one never refuses."""
+    """A launcher on node k > 0 listens on a port of its own, published when it joins. Node 0 holds a connection to
+    it (HeldLines), which the kernel closes when the launcher's process ends: node 0 hears a launcher's death at
+    once, with no silence to wait for and no rank's collective needed. It is confirmed by a call: refused, the
+    launcher's process is gone while its host still answers (the node is lost); answered, it lives (a dropped
+    connection alone proves nothing); no answer (the host down, or cut off) leaves it to the silence. The launcher
+    answers at its poll (`answer`): a live one never refuses, and a frozen one's kernel still takes the call."""
 
     def __init__(self):
         if socket.has_dualstack_ipv6():
@@ -67,29 +71,112 @@ class NodeLine:
             self.sock = socket.create_server(("", 0), backlog=16)
         self.sock.setblocking(False)
         self.port: int = self.sock.getsockname()[1]
+        self.held: list[socket.socket] = []
+        """the calls taken and kept open (node 0's held line); closed by node 0 when it is done with them"""
 
     def answer(self) -> None:
-        """Take the calls waiting (each is closed at once: being answered is the whole message)."""
+        """Take the calls waiting and keep them open; let go of those the caller hung up."""
         while True:
             try:
                 conn, _ = self.sock.accept()
             except (BlockingIOError, InterruptedError):
-                return
-            conn.close()
+                break
+            self.held.append(conn)
+        if self.held:
+            for conn in select.select(self.held, [], [], 0)[0]:
+                if not _still_open(conn):
+                    conn.close()
+                    self.held.remove(conn)
 
     def close(self) -> None:
+        for conn in self.held:
+            conn.close()
+        self.held.clear()
         self.sock.close()
 
 
-def call(address: str, port: int, *, timeout_s: float = RING_TIMEOUT_S) -> bool | None:
-    """Call a node's line at `address`: True it answered, False it refused (nothing listens there), None no word."""
+def _still_open(conn: socket.socket) -> bool:
+    """A readable connection of a line: False when its other end closed it (or it broke)."""
     try:
-        with socket.create_connection((address, port), timeout=timeout_s):
-            return True
+        return bool(conn.recv(64))
+    except OSError:
+        return False
+
+
+def call(address: str, port: int, *, timeout_s: float = RING_TIMEOUT_S, keep: bool = False):
+    """Call a node's line at `address`: True it answered (with `keep`, the open connection instead), False it refused
+    (nothing listens there), None no word."""
+    try:
+        conn = socket.create_connection((address, port), timeout=timeout_s)
     except ConnectionRefusedError:
         return False
     except OSError:  # timed out, unreachable: the host itself may be gone, or cut off
         return None
+    if not keep:
+        conn.close()
+        return True
+    conn.setblocking(False)
+    return conn
+
+
+class HeldLines:
+    """Node 0's connections to the other nodes' lines (NodeLine), opened once each has joined: a connection its
+    other end closed, followed by a refused call, is a launcher that is gone."""
+
+    RETRY_S = 1.0
+    """How often node 0 tries again to open a node's line it could not reach."""
+
+    def __init__(self):
+        self.lines: dict[int, tuple[list[str], int]] = {}
+        """node -> (its addresses, its line's port), from its joined record"""
+        self.held: dict[int, tuple[socket.socket, str]] = {}
+        """node -> (the connection node 0 holds, the address it reached)"""
+        self.tried: dict[int, float] = {}
+        self.read: set[int] = set()
+        """the nodes whose joined record was read"""
+
+    def know(self, node: int, joined) -> None:
+        """Read the node's line from its joined record (once)."""
+        self.read.add(node)
+        if isinstance(joined, dict) and isinstance(joined.get("line"), int):
+            self.lines[node] = (list(joined.get("addresses", [])), joined["line"])
+
+    def hold(self, node: int, now: float) -> None:
+        """Open the node's line when not held (at most every RETRY_S)."""
+        if node in self.held or node not in self.lines or now - self.tried.get(node, -self.RETRY_S) < self.RETRY_S:
+            return
+        self.tried[node] = now
+        addresses, port = self.lines[node]
+        for address in addresses:
+            if isinstance(conn := call(address, port, keep=True), socket.socket):
+                self.held[node] = (conn, address)
+                return
+
+    def dropped(self) -> dict[int, str]:
+        """The nodes whose held line was closed from its end since the last look: node -> the address it had."""
+        if not self.held:
+            return {}
+        out = {}
+        readable = select.select([conn for conn, _ in self.held.values()], [], [], 0)[0]
+        for node, (conn, address) in list(self.held.items()):
+            if conn in readable and not _still_open(conn):
+                conn.close()
+                del self.held[node]
+                out[node] = address
+        return out
+
+    def ring(self, node: int, address: str) -> bool | None:
+        """Call the node's line: True it answered, False it refused (its launcher is gone), None no word (or no
+        line known)."""
+        return call(address, self.lines[node][1]) if node in self.lines else None
+
+    def let_go(self, node: int) -> None:
+        if held := self.held.pop(node, None):
+            held[0].close()
+
+    def close(self) -> None:
+        for node in list(self.held):
+            self.let_go(node)
 
 
 class NodeBeat:
@@ -127,10 +214,11 @@ class NodeWatch:
         """node -> the longest time between two of its beats seen so far (its launcher alive)"""
         self.lost: dict[int, NodeLoss] = {}
         self._addresses: dict[str, int] | None = None
-        self._lines: dict[int, int] = {}
-        """node -> the port of its launcher's line (NodeLine), from its joined record"""
+        self.lines = HeldLines()
         self._called: dict[int, float] = {}
-        """node -> when node 0 last called its line (once per NODE_BEAT_S while it is named)"""
+        """node -> when node 0 last called its line (once per NODE_BEAT_S while a connection to it is broken)"""
+        self._dropped: dict[int, str] = {}
+        """node -> the address of node 0's held line to it, closed from its end (it counts as a broken connection)"""
         self._unknown: set[str] = set()
         self._next = 0.0
 
@@ -142,26 +230,35 @@ class NodeWatch:
         `active(node)`: whether the node still has ranks to run (one whose ranks are all done may be writing its
         summary)."""
         now = time.monotonic()
-        if now < self._next:
+        self._dropped.update(self.lines.dropped())
+        if now < self._next and not self._dropped:
             return []
-        broken = {self._node_at(a): a for a in named()}
+        broken = {node: a for a in named() if (node := self._node_at(a)) is not None}
+        line_first = {node: a for node, a in self._dropped.items() if node not in broken}
+        broken.update(line_first)
         self._next = now + (0.0 if broken else NODE_BEAT_S)  # a node named: decide at the launcher's own poll
         out = []
         for node in range(1, self.nnodes):
             if node in self.lost or not self.store.check([keys.joined(node)]) or self.store.check([keys.left(node)]):
                 continue
+            if node not in self.lines.read:
+                self.lines.know(node, keys.read_json(self.store, keys.joined(node)))
+            self.lines.hold(node, now)
             beats = self.store.add(keys.node_beat(node), 0)
             count, since = self.seen.get(node, (-1, now))
             if beats != count:
                 if count >= 0:
                     self.longest_gap[node] = max(self.longest_gap.get(node, 0.0), now - since)
                 self.seen[node] = (beats, now)
-                continue
+                if node not in broken:
+                    continue
             quiet = now - since
             if node in broken and active(node) and self._refuses(node, broken[node], now):
-                loss = NodeLoss(silent_s=quiet, detected_by="connection error", address=broken[node], refused=True)
-                said = (f"a rank's connection to this node ({broken[node]}) broke and this node's launcher did not "
-                        f"answer node 0's call (port {self._lines[node]} refused it): node 0 took the node for lost")
+                by = "node 0's line to this node" if node in line_first else "a rank's connection to this node"
+                loss = NodeLoss(silent_s=quiet, detected_by="connection error", address=broken[node], refused=True,
+                                line_dropped=node in line_first)
+                said = (f"{by} ({broken[node]}) broke and this node's launcher did not answer node 0's call (port "
+                        f"{self.lines.lines[node][1]} refused it): node 0 took the node for lost")
             elif node in broken and quiet > self.broken_wait(node) and active(node):
                 loss = NodeLoss(silent_s=quiet, detected_by="connection error", address=broken[node])
                 said = (f"a rank's connection to this node ({broken[node]}) broke and node 0 heard nothing from "
@@ -172,17 +269,21 @@ class NodeWatch:
             else:
                 continue
             self.lost[node] = loss
+            self.lines.let_go(node)
             self.store.set(keys.node_lost(node), said)
             out.append(node)
         return out
 
     def _refuses(self, node: int, address: str, now: float) -> bool:
-        """Call the line of `node` (named at `address`) when due: whether it refused (its launcher is gone)."""
-        port = self._lines.get(node)
-        if port is None or now - self._called.get(node, -NODE_BEAT_S) < NODE_BEAT_S:
+        """Call the line of `node` (at `address`, where a connection to it broke) when due: whether it refused (its
+        launcher is gone)."""
+        if now - self._called.get(node, -NODE_BEAT_S) < NODE_BEAT_S:
             return False
         self._called[node] = now
-        return call(address, port) is False
+        answer = self.lines.ring(node, address)
+        if answer is True:
+            self._dropped.pop(node, None)  # its held line closed, yet it lives: hold it again
+        return answer is False
 
     def broken_wait(self, node: int) -> float:
         """The silence after which a node named by a broken connection is lost."""
@@ -200,8 +301,6 @@ class NodeWatch:
                     continue
                 for a in joined.get("addresses", []):
                     owners.setdefault(a, set()).add(node)
-                if isinstance(joined.get("line"), int):
-                    self._lines[node] = joined["line"]
             self._addresses = {a: min(k) for a, k in owners.items() if len(k) == 1}
         return self._addresses.get(address)
 

@@ -254,6 +254,7 @@ class LeadNode:
             if all(self.members.store.check([keys.left(k)]) for k in range(1, self.nnodes) if k not in gone):
                 break
             time.sleep(0.05)
+        self.watch.lines.close()
 
 
 class FollowerNode:

@@ -245,6 +245,38 @@ def test_a_named_node_whose_line_refuses_is_lost_at_once_and_one_whose_line_answ
     assert not run_store.check([keys.node_lost(2)])
 
 
+@pytest.mark.timeout(20)
+def test_a_node_whose_held_line_drops_and_refuses_is_lost_with_no_rank_named_it(tmp_path, monkeypatch):
+    # node 0 holds a connection to each node's line; node 1's launcher dies (its line closes with its process)
+    # while no rank has reached a collective with it yet: the dropped line, confirmed by a refused call, finds it
+    for name in ("NODE_SILENT_S", "NODE_SUSPECT_S", "NODE_BROKEN_S"):
+        monkeypatch.setattr(nodes, name, 30.0)
+    sup, host, run_store = make(tmp_path, "resilience.mode=none", nnodes=3)
+    lines = {1: nodes.NodeLine(), 2: nodes.NodeLine()}
+    for k, line in lines.items():
+        run_store.set(keys.joined(k), json.dumps({"addresses": [f"127.0.0.{k + 1}"], "line": line.port}))
+        run_store.add(keys.node_beat(k), 1)
+
+    def launcher_1_dies():
+        deadline = time.monotonic() + 5
+        while not lines[1].held and time.monotonic() < deadline:  # node 0 holds its line...
+            lines[1].answer()
+            time.sleep(0.01)
+        lines[1].close()  # ...then its process ends
+
+    dying = threading.Thread(target=launcher_1_dies, daemon=True)
+    dying.start()
+    try:
+        assert sup.watch(Progress()) == 1
+    finally:
+        dying.join()
+        lines[2].close()
+    [f] = {(f["node_lost"], f["detected_by"], f["node_refused"], f["node_address"]) for f in sup.failures}
+    assert f == (1, "connection error", True, "127.0.0.2")
+    assert "node 0's line to this node (127.0.0.2) broke" in run_store.get(keys.node_lost(1)).decode()
+    assert not run_store.check([keys.node_lost(2)])
+
+
 def test_a_node_that_beat_irregularly_is_given_a_longer_silence(tmp_path):
     watch = nodes.NodeWatch(run_store=keys.run_store(dist.HashStore()), nnodes=2)
     assert watch.broken_wait(1) == nodes.NODE_BROKEN_S
