@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+class StepAbandoned(Exception):
+    """A peer's failure was flagged during the step's first forward: the step ends there (Trainer._abandon)."""
+
+
 def step_seed(seed: int, step: int, rank: int) -> int:
     return (seed * 1_000_003 + step) * 65_537 + rank
 
@@ -86,12 +90,27 @@ class Trainer:
         self.first_step, self.build_peak = 0, 0  # run() sets them
         # a fault aimed at the backward phase fires when backward reaches the model's output
         self.engine.module.register_forward_hook(self._arm_backward_fault)
+        self._abandon = False
+        """Armed while the step's first forward runs (resilience.mode inplace, an engine whose forward holds no
+        per-step state): a peer's failure flagged by then ends the step at the next module, before its backward."""
+        if self.recipe.resilience.mode == "inplace" and getattr(self.engine, "abandons_forward", False):
+            for m in self.engine.module.modules():
+                m.register_forward_pre_hook(self._abandon_if_failed)
+            self.engine.module.register_forward_hook(self._disarm)
         self.dtypes = DtypeProbe(self.engine)  # what the first forward computed in: summary.json -> dtypes
         self.reduced: ReducedGrads | None = None
         if self.parity is not None and self.recipe.resilience.roll_forward and hasattr(self.engine, "update_alone"):
             self.rolls = cast(RollsForward, self.engine)
             self.reduced = Seam.reduced = self.parity.reduced = ReducedGrads(rank=self.rank, world=self.world)
             self.parity.roll_forward_fn = self._roll_forward
+
+    def _abandon_if_failed(self, module, inputs) -> None:
+        if self._abandon and Seam.failure is not None:
+            self._abandon = False
+            raise StepAbandoned(Seam.failure)
+
+    def _disarm(self, module, inputs, output) -> None:
+        self._abandon = False  # the forward is over: its backward (and a checkpointed block's recompute) runs whole
 
     def _arm_backward_fault(self, module, inputs, output) -> None:
         output = logits_of(output)  # transformers models return a ModelOutput
@@ -125,7 +144,9 @@ class Trainer:
         for micro in range(t.grad_accum):
             x, y = self.dataset.batch(step=step, rank=self.rank, micro=micro, size=t.micro_batch)
             x, y = x.to(self.device), y.to(self.device)
+            self._abandon = micro == 0  # no backward has run: nothing of the step is held yet
             losses.append(self.engine.forward_backward(x, y, last_micro=micro == t.grad_accum - 1))
+            self._abandon = False
         return torch.stack(losses).float().mean()
 
     def _gather(self, values: list[float]) -> torch.Tensor:
@@ -153,7 +174,14 @@ class Trainer:
         self._verify_state(step)
         if self.reduced is not None:
             self.reduced.begin(step)
-        loss = self._micro_steps(step)
+        try:
+            loss = self._micro_steps(step)
+        except StepAbandoned as e:
+            # a peer failed while this rank's first forward ran: its backward and update would run on released
+            # collectives only to be dropped; the survivor reports at once, and the plan does not wait for them
+            log.warning("step %d abandoned in its forward: %s", step, e)
+            self.engine.discard_step()
+            return None
         if self.reduced is not None:
             self.reduced.seal(step, self.rolls.reduced_keys())
         self.injector.straggle(time.perf_counter() - t0)

@@ -227,8 +227,9 @@ class FaultBoard:
 
     def attribute(self, rank: int) -> dict | None:
         """The newest fault that fired on `rank` and caused no failure yet (a straggler's `slow` causes none)."""
-        fired = [f for f in self.fired()
-                 if f["rank"] == rank and f["id"] not in self.attributed and f["kind"] != "slow"]
+        fired = sorted((f for f in self.fired()
+                        if f["rank"] == rank and f["id"] not in self.attributed and f["kind"] != "slow"),
+                       key=lambda f: f["time"])  # fired() is in the order the faults were announced
         if not fired:
             return None
         self.attributed.add(fired[-1]["id"])

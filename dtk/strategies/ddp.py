@@ -13,6 +13,9 @@ from dtk.strategies.base import (BuildContext, autocast, build_torch_optimizer, 
 
 
 class DDPEngine:
+    abandons_forward = True
+    """A forward ended by an exception leaves DDP as it was (its reducer waits for a backward that never began)."""
+
     def __init__(self, ctx: BuildContext):
         r = ctx.recipe
         self.device, self.precision, self.rank = ctx.device, r.training.precision, ctx.group.rank()

@@ -41,6 +41,8 @@ class ZeroEngine:
 
         r = ctx.recipe
         self.stage, self.rank, self.world = stage, ctx.group.rank(), ctx.group.size()
+        self.abandons_forward = stage < 3
+        """ZeRO-1/2's forward is the model's alone (ZeRO-3's gathers parameters and records its trace in it)."""
         self.bf16 = r.training.precision == "bf16"
         # On CPU, DeepSpeed's comm backend JIT-builds a shared-memory all-reduce (~40 s cold; rebuilt whenever a
         # process with another ninja version touched the cache) that only its inference path uses and that would

@@ -64,7 +64,10 @@ def test_the_chaos_matrix_recovers_in_place_with_the_same_losses(tmp_path, strat
     # and a rank lost in the last step's update, after its last collective: the survivors commit that step and
     # learn of the loss only at the boundary's checkpoint and final save (checkpoint.every = the run's steps)
     last = f"kill:rank=2,step={steps - 1},phase=optimizer"
-    args = [a for spec in specs + [f"corrupt:rank=1,step={corrupt_step}", last] for a in ("--fault", spec)]
+    # zero2's rank 2 dies at the start of step 6 while rank 0 pauses there: rank 0 learns of it before its forward
+    # and ends the step at the forward's first module instead of running its backward on released collectives
+    stall = ["stall:rank=0,step=6,seconds=1"] if strategy == "zero2" else []
+    args = [a for spec in specs + stall + [f"corrupt:rank=1,step={corrupt_step}", last] for a in ("--fault", spec)]
     # a fixed hang timeout: this test is about what recovery keeps; the automatic one is tested with DDP
     summary = _inject(tmp_path / "chaos", *three, "resilience.shadows=2", "resilience.max_failures=20",
                       "resilience.heartbeat_timeout_s=4", f"checkpoint.every={steps}", *args,
@@ -73,6 +76,9 @@ def test_the_chaos_matrix_recovers_in_place_with_the_same_losses(tmp_path, strat
     failures = summary["failures"]
     assert [(f["fault"], f["rank"]) for f in failures] == [(k, r) for k, r, _ in cells] + [("corrupt", 1), ("kill", 2)]
     assert (tmp_path / "chaos" / "final" / "model.safetensors").is_file()
+    if stall:
+        assert cells[1] == ("segv", 2, "forward")
+        assert "step 6 abandoned in its forward" in (tmp_path / "chaos" / "logs" / "rank0.log").read_text()
     for f in failures:
         assert f["rebuilt_from"].startswith("peer") if strategy == "ddp" else f["rebuilt_from"] == "parity tier 1", f
         assert f["repair_bytes"] > 0 and 0 <= f["steps_lost"] <= every, f
