@@ -47,13 +47,12 @@ class NodeLoss:
     silent_s: float
     """How long its launcher had been silent."""
     detected_by: str
-    """"connection error" (a survivor's connection to it broke, and it fell silent) or "node heartbeat" (silence)."""
+    """"connection error" (a survivor's connection to it, or node 0's held line, broke; then its line refused a call
+    or it fell silent) or "node heartbeat" (silence)."""
     address: str | None = None
     """The node's address the broken connection named."""
     refused: bool = False
     """Its launcher's line refused node 0's call (NodeLine): its process is gone, no silence was waited for."""
-    line_dropped: bool = False
-    """Node 0's held line to it was closed from its end first (before any rank's broken connection counted)."""
 
 
 class NodeLine:
@@ -121,17 +120,22 @@ def call(address: str, port: int, *, timeout_s: float = RING_TIMEOUT_S, keep: bo
 
 class HeldLines:
     """Node 0's connections to the other nodes' lines (NodeLine), opened once each has joined: a connection its
-    other end closed, followed by a refused call, is a launcher that is gone."""
+    other end closed, followed by a refused call, is a launcher that is gone. Only the line of a node that node 0
+    once reached is called: a refusal from a port never reached (a firewall's reset, say) proves nothing."""
 
     RETRY_S = 1.0
-    """How often node 0 tries again to open a node's line it could not reach."""
+    """How long node 0 waits before it tries again to open a node's line it could not reach; doubled each time, so
+    that an unreachable line (each try waits up to RING_TIMEOUT_S per address) does not hold up node 0's watch."""
 
     def __init__(self):
         self.lines: dict[int, tuple[list[str], int]] = {}
         """node -> (its addresses, its line's port), from its joined record"""
         self.held: dict[int, tuple[socket.socket, str]] = {}
         """node -> (the connection node 0 holds, the address it reached)"""
-        self.tried: dict[int, float] = {}
+        self.next_try: dict[int, tuple[float, float]] = {}
+        """node -> (when to try opening its line again, the wait after that)"""
+        self.reached: set[int] = set()
+        """the nodes whose line node 0 held at least once"""
         self.read: set[int] = set()
         """the nodes whose joined record was read"""
 
@@ -142,15 +146,18 @@ class HeldLines:
             self.lines[node] = (list(joined.get("addresses", [])), joined["line"])
 
     def hold(self, node: int, now: float) -> None:
-        """Open the node's line when not held (at most every RETRY_S)."""
-        if node in self.held or node not in self.lines or now - self.tried.get(node, -self.RETRY_S) < self.RETRY_S:
+        """Open the node's line when not held (again after RETRY_S, then twice as long each time)."""
+        due, wait = self.next_try.get(node, (now, self.RETRY_S))
+        if node in self.held or node not in self.lines or now < due:
             return
-        self.tried[node] = now
         addresses, port = self.lines[node]
         for address in addresses:
             if isinstance(conn := call(address, port, keep=True), socket.socket):
                 self.held[node] = (conn, address)
+                self.reached.add(node)
+                self.next_try.pop(node, None)
                 return
+        self.next_try[node] = (now + wait, 2 * wait)
 
     def dropped(self) -> dict[int, str]:
         """The nodes whose held line was closed from its end since the last look: node -> the address it had."""
@@ -166,9 +173,9 @@ class HeldLines:
         return out
 
     def ring(self, node: int, address: str) -> bool | None:
-        """Call the node's line: True it answered, False it refused (its launcher is gone), None no word (or no
-        line known)."""
-        return call(address, self.lines[node][1]) if node in self.lines else None
+        """Call the node's line: True it answered, False it refused (its launcher is gone), None no word (or a line
+        never reached)."""
+        return call(address, self.lines[node][1]) if node in self.reached else None
 
     def let_go(self, node: int) -> None:
         if held := self.held.pop(node, None):
@@ -204,8 +211,9 @@ class NodeBeat:
 class NodeWatch:
     """Node 0: the nodes whose launcher stopped beating (those that left at the end excepted): for NODE_SILENT_S,
     or for less when the ranks' collectives say a peer is gone (NODE_SUSPECT_S) or name the node's address in a
-    broken connection (NODE_BROKEN_S, or more for a node seen to beat irregularly); a node named so whose line
-    refuses node 0's call (NodeLine) is lost at once."""
+    broken connection (NODE_BROKEN_S, or more for a node seen to beat irregularly). Node 0's held line to a node
+    closing counts as a broken connection; a node with a broken connection whose line then refuses node 0's call
+    (NodeLine) is lost at once."""
 
     def __init__(self, *, run_store, nnodes: int):
         self.store, self.nnodes = run_store, nnodes
@@ -255,8 +263,7 @@ class NodeWatch:
             quiet = now - since
             if node in broken and active(node) and self._refuses(node, broken[node], now):
                 by = "node 0's line to this node" if node in line_first else "a rank's connection to this node"
-                loss = NodeLoss(silent_s=quiet, detected_by="connection error", address=broken[node], refused=True,
-                                line_dropped=node in line_first)
+                loss = NodeLoss(silent_s=quiet, detected_by="connection error", address=broken[node], refused=True)
                 said = (f"{by} ({broken[node]}) broke and this node's launcher did not answer node 0's call (port "
                         f"{self.lines.lines[node][1]} refused it): node 0 took the node for lost")
             elif node in broken and quiet > self.broken_wait(node) and active(node):
