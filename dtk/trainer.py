@@ -92,8 +92,10 @@ class Trainer:
         self.engine.module.register_forward_hook(self._arm_backward_fault)
         self._abandon = False
         """Armed while the step's first forward runs (resilience.mode inplace, an engine whose forward holds no
-        per-step state): a peer's failure flagged by then ends the step at the next module, before its backward."""
-        if self.recipe.resilience.mode == "inplace" and getattr(self.engine, "abandons_forward", False):
+        per-step state; not under training.compile, whose graphs would guard on it): a peer's failure flagged by then
+        ends the step at the next module, before its backward."""
+        if (self.recipe.resilience.mode == "inplace" and getattr(self.engine, "abandons_forward", False)
+                and not self.recipe.training.compile):
             for m in self.engine.module.modules():
                 m.register_forward_pre_hook(self._abandon_if_failed)
             self.engine.module.register_forward_hook(self._disarm)
